@@ -1,0 +1,608 @@
+"""Learning-rate schedules with DeepSpeed's names, arguments, formulas and stepping semantics.
+
+These reproduce ``deepspeed.runtime.lr_schedules`` (0.19.8) value for value, so a ``"scheduler"``
+block moved from a DeepSpeed config gives the same lr (and, for ``OneCycle``, momentum) sequence.
+
+Units and stepping
+------------------
+* Every schedule counts **optimizer steps** in ``last_batch_iteration`` (an int, starting at -1:
+  "no step taken yet"). ``step()`` advances it by one, or sets it to ``step(n)``'s argument, and
+  writes ``get_lr()`` into ``optimizer.param_groups[i]["lr"]`` (lrs are plain learning-rate values,
+  the same units as the optimizer's ``lr``). The engine calls ``scheduler.step()`` once after every
+  optimizer step that was applied (at the gradient-accumulation boundary; not after a step skipped
+  for an fp16 overflow), exactly as ``DeepSpeedEngine._take_model_step`` does.
+* A schedule built with ``last_batch_iteration=-1`` writes the lr of "iteration -1" into the
+  optimizer at construction, so the *first* optimizer step runs with that lr and the first
+  ``step()`` moves to iteration 0. The lr of iteration -1 is: ``warmup_min_lr`` (WarmupLR,
+  WarmupDecayLR), ``0.0`` (WarmupCosineLR), ``lr_range_test_min_lr`` (LRRangeTest), ``cycle_min_lr``
+  (OneCycle, which also writes ``betas = (cycle_min_mom, 0.99)``). With the log and linear warm-ups
+  the lr of iteration 0 is also the minimum, so the first two optimizer steps share it.
+* A schedule built with another ``last_batch_iteration`` (a resume) leaves the optimizer untouched
+  until the next ``step()``.
+* ``state_dict()`` is ``{"last_batch_iteration": n}`` (DeepSpeed's checkpoint format);
+  ``load_state_dict`` restores only that counter and, like DeepSpeed, does not rewrite the
+  optimizer lr: the next ``step()`` does.
+* Per-parameter-group values: ``warmup_min_lr``, ``warmup_max_lr``, ``lr_range_test_min_lr``,
+  ``cycle_min_lr``/``cycle_max_lr`` and ``cycle_min_mom``/``cycle_max_mom`` accept a scalar (used for
+  every group) or a list with one value per group. ``WarmupLR`` without ``warmup_max_lr`` and
+  ``WarmupCosineLR`` scale each group's own ``lr``.
+
+Deliberate difference from DeepSpeed: an unknown ``warmup_type`` raises ``ValueError`` (DeepSpeed
+logs a warning and silently uses ``'log'``).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = [
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+    "OneCycle",
+    "LRRangeTest",
+    "SCHEDULERS",
+    "build_scheduler",
+]
+
+_LOG = logging.getLogger(__name__)
+
+WARMUP_LOG = "log"
+WARMUP_LINEAR = "linear"
+_WARMUP_TYPES = (WARMUP_LOG, WARMUP_LINEAR)
+
+# DeepSpeed's OneCycle writes betas = (momentum, 0.99): the second Adam beta is replaced by 0.99
+# whatever the optimizer was built with. Kept for parity; see OneCycle's docstring.
+_ONECYCLE_BETA2 = 0.99
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _resolve_optimizer(optimizer: Any) -> Any:
+    """The object whose ``param_groups`` the schedule writes.
+
+    A ``torch.optim.Optimizer`` is used as is; a wrapper exposing a torch optimizer as
+    ``.optimizer`` (DeepSpeed's rule, e.g. a ZeRO or mixed-precision wrapper) is unwrapped; any
+    other object with ``param_groups`` is accepted as is.
+    """
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, Optimizer):
+        return inner
+    if hasattr(optimizer, "param_groups"):
+        return optimizer
+    raise TypeError(
+        f"{type(optimizer).__name__} is not a torch.optim.Optimizer, does not wrap one as "
+        "`.optimizer`, and has no `param_groups`; pass the optimizer the schedule should drive"
+    )
+
+
+def _per_group(optimizer: Any, value: Any, name: str) -> list:
+    """Broadcast a scalar to every param group, or check a list/tuple has one value per group."""
+    n_groups = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_groups:
+            raise ValueError(
+                f"{name} has {len(value)} values but the optimizer has {n_groups} param groups; "
+                f"give one value per group or a single scalar"
+            )
+        return list(value)
+    return [value] * n_groups
+
+
+def _write_lrs(param_groups: Sequence[dict], lrs: Sequence[Any]) -> list:
+    """Write ``lrs`` into the groups (in place for tensor lrs) and return the groups' lrs."""
+    for group, lr in zip(param_groups, lrs):
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+        else:
+            group["lr"] = lr
+    return [group["lr"] for group in param_groups]
+
+
+def _check_positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer (a number of steps), got {value!r}")
+
+
+def _check_warmup_type(warmup_type: str) -> str:
+    if warmup_type not in _WARMUP_TYPES:
+        raise ValueError(f"warmup_type must be one of {list(_WARMUP_TYPES)}, got {warmup_type!r}")
+    return warmup_type
+
+
+def _warmup_fraction(step: int, num_steps: int, warmup_type: str) -> float:
+    """Fraction of the warm-up done at iteration ``0 <= step < num_steps``.
+
+    ``'log'``: ``ln(step + 1) / ln(num_steps)``; ``'linear'``: ``step / num_steps``. Both are 0 at
+    step 0; the log ramp reaches 1 at ``num_steps - 1``, the linear one ``(num_steps - 1)/num_steps``.
+    """
+    if warmup_type == WARMUP_LOG:
+        return (1.0 / math.log(num_steps)) * math.log(step + 1)
+    return step / num_steps
+
+
+class _Schedule:
+    """Shared DeepSpeed stepping: a ``last_batch_iteration`` counter written through to the lrs."""
+
+    optimizer: Any
+    last_batch_iteration: int
+    _last_lr: list | None = None
+
+    def get_lr(self) -> list:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def get_last_lr(self) -> list:
+        """The lrs most recently written into the optimizer (one per param group)."""
+        if self._last_lr is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has not written an lr yet (it was built with "
+                f"last_batch_iteration={self.last_batch_iteration}); call step() first"
+            )
+        return self._last_lr
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance to ``last_batch_iteration`` (default: the current one + 1) and write its lrs."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = _write_lrs(self.optimizer.param_groups, self.get_lr())
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore the step counter only; the optimizer lr is rewritten by the next ``step()``."""
+        self.last_batch_iteration = sd["last_batch_iteration"]
+
+
+# ----------------------------------------------------------------------------------------------
+# warm-up family
+# ----------------------------------------------------------------------------------------------
+class WarmupLR(_Schedule):
+    """Warm the lr of each param group from ``warmup_min_lr`` to ``warmup_max_lr``, then hold it.
+
+    With ``W = max(2, warmup_num_steps)`` (steps) and ``t = last_batch_iteration``::
+
+        lr(t) = min_lr + (max_lr - min_lr) * gamma(t)
+        gamma(t) = 0                         t < 0   (before the first step())
+                 = ln(t + 1) / ln(W)         0 <= t < W, warmup_type='log'   (the default)
+                 = t / W                     0 <= t < W, warmup_type='linear'
+                 = 1                         t >= W
+
+    ``warmup_min_lr``/``warmup_max_lr`` are lrs (scalar or one per group); ``warmup_max_lr=None``
+    uses each group's current ``lr``. ``warmup_num_steps`` must be a positive int; 1 is raised to 2.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ):
+        _check_positive_int(warmup_num_steps, "warmup_num_steps")
+        self.optimizer = _resolve_optimizer(optimizer)
+        if warmup_max_lr is None:
+            warmup_max_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self.min_lrs = _per_group(self.optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = _per_group(self.optimizer, warmup_max_lr, "warmup_max_lr")
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = _check_warmup_type(warmup_type)
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+        if last_batch_iteration == -1:
+            self._last_lr = _write_lrs(self.optimizer.param_groups, self.get_lr())
+
+    def _get_gamma(self) -> float:
+        t = self.last_batch_iteration
+        if t < self.warmup_num_steps:
+            return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+        return 1.0
+
+    def get_lr(self) -> list:
+        """The lrs of iteration ``last_batch_iteration`` (``warmup_min_lr`` before the first step)."""
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._get_gamma()
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """``WarmupLR``'s warm-up, then a linear decay to 0 at ``total_num_steps``.
+
+    With ``W = max(2, warmup_num_steps)``, ``T = total_num_steps`` (steps), ``t = last_batch_iteration``::
+
+        lr(t) = min_lr + (max_lr - min_lr) * gamma(t)
+        gamma(t) = WarmupLR's gamma                        t < W
+                 = max(0, (T - t) / max(1, T - W))         t >= W
+
+    so the lr is ``max_lr`` at ``t = W`` and ``min_lr`` from ``t = T`` on. Note DeepSpeed's default
+    ``warmup_max_lr`` here is ``0.001``, not the optimizer's lr.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ):
+        self.total_num_steps = total_num_steps
+        super().__init__(
+            optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration
+        )
+        if self.total_num_steps < self.warmup_num_steps:
+            _LOG.warning(
+                "total_num_steps %s is less than warmup_num_steps %s", total_num_steps, warmup_num_steps
+            )
+
+    def _get_gamma(self) -> float:
+        t = self.last_batch_iteration
+        if t < self.warmup_num_steps:
+            return _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+        decay_steps = float(max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(0.0, float(self.total_num_steps - t) / decay_steps)
+
+
+class WarmupCosineLR(_Schedule):
+    """Scale each group's own lr by a ratio that warms up, then follows a half cosine.
+
+    With ``W = max(2, warmup_num_steps)``, ``T = total_num_steps`` (steps), ``t = last_batch_iteration``,
+    ``lr_g`` the group's lr when the schedule was built::
+
+        lr(t) = lr_g * ratio(t)
+        ratio(t) = 0                                              t < 0 (before the first step())
+                 = wmin + (1 - wmin) * f(t)                       0 <= t < W, f = WarmupLR's gamma
+                 = max(0, cmin + (1 - cmin) * (1 + cos(pi p)) / 2)  t >= W,
+                   p = min(1, (t - W + 1) / max(1, T - W))
+
+    ``wmin = warmup_min_ratio``, ``cmin = cos_min_ratio`` (dimensionless). The lr written at
+    construction is therefore 0, and the first ``step()`` gives ``lr_g * wmin``.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ):
+        _check_positive_int(warmup_num_steps, "warmup_num_steps")
+        self.optimizer = _resolve_optimizer(optimizer)
+        self.total_num_steps = total_num_steps
+        self.last_batch_iteration = last_batch_iteration
+        self.cos_min_ratio = cos_min_ratio
+        self.warmup_type = _check_warmup_type(warmup_type)
+        self.warmup_min_ratio = warmup_min_ratio
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        if self.total_num_steps < self.warmup_num_steps:
+            _LOG.warning(
+                "total_num_steps %s is less than warmup_num_steps %s", total_num_steps, warmup_num_steps
+            )
+        self.org_lrs = [
+            group["lr"].clone() if torch.is_tensor(group["lr"]) else group["lr"]
+            for group in self.optimizer.param_groups
+        ]
+        self._last_lr = None
+        if last_batch_iteration == -1:
+            self._last_lr = _write_lrs(self.optimizer.param_groups, self.get_lr())
+
+    def get_lr_ratio(self) -> float:
+        """``ratio(last_batch_iteration)`` from the class docstring."""
+        t = self.last_batch_iteration
+        if t < 0:
+            return 0.0
+        if t < self.warmup_num_steps:
+            f = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + f * (1.0 - self.warmup_min_ratio)
+        decay_step = t - self.warmup_num_steps + 1
+        decay_total = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, decay_step / decay_total)
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list:
+        if self.last_batch_iteration < 0:
+            return [0.0 for _ in self.org_lrs]
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+
+# ----------------------------------------------------------------------------------------------
+# range test and one-cycle
+# ----------------------------------------------------------------------------------------------
+class LRRangeTest(_Schedule):
+    """Grow the lr from ``lr_range_test_min_lr`` at a constant rate, to find the largest usable lr.
+
+    With ``S = lr_range_test_step_size`` (steps), ``r = lr_range_test_step_rate`` and
+    ``t = last_batch_iteration``::
+
+        lr(t) = min_lr * (1 + r * k(t))
+        k(t) = (t + 1) / S           continuous (default)
+             = floor((t + 1) / S)    lr_range_test_staircase=True
+
+    ``lr(-1) = min_lr`` is written at construction. ``min_lr`` is a scalar or one value per group.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ):
+        self.optimizer = _resolve_optimizer(optimizer)
+        self.min_lr = _per_group(self.optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        _check_positive_int(lr_range_test_step_size, "lr_range_test_step_size")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+        if last_batch_iteration == -1:
+            self._last_lr = _write_lrs(self.optimizer.param_groups, self.min_lr)
+
+    def _interval(self) -> float:
+        ratio = float(self.last_batch_iteration + 1) / self.step_size
+        return math.floor(ratio) if self.staircase else ratio
+
+    def get_lr(self) -> list:
+        increase = 1 + self.step_rate * self._interval()
+        return [lr * increase for lr in self.min_lr]
+
+    def step(self, batch_iteration: int | None = None) -> None:  # DeepSpeed's argument name
+        super().step(batch_iteration)
+
+
+class OneCycle(_Schedule):
+    """1Cycle: lr up then down between two bounds (momentum the other way), then an optional decay.
+
+    Steps (all in optimizer steps): ``S1 = cycle_first_step_size``, ``S2 = cycle_second_step_size``
+    (default ``S1``), ``N = S1 + S2``; ``b = last_batch_iteration + 1``. Inside the cycle (``b <= N``,
+    i.e. ``last_batch_iteration < N``) the position ``c = b mod N`` gives a scale ``s`` in [0, 1]::
+
+        s = c / S1                 c <= S1   (rising half)
+          = (N - c) / S2           c > S1    (falling half)
+        with stairs (cycle_first_stair_count K1 / cycle_second_stair_count K2, 0 = off):
+        s = floor(c * K1 / S1) / K1  or  floor((N - c) * K2 / S2) / K2
+
+        lr  = cycle_min_lr + (cycle_max_lr - cycle_min_lr) * s
+        mom = cycle_max_mom - (cycle_max_mom - cycle_min_mom) * s      (betas[0])
+
+    After the cycle (``last_batch_iteration >= N``), with ``d = last_batch_iteration - N + 1`` and
+    ``D = decay_step_size``::
+
+        lr  = cycle_min_lr / (1 + decay_lr_rate * d / D)
+        mom = cycle_max_mom * (1 + decay_mom_rate * d / D)
+
+    and with ``D == 0`` or a zero rate the lr stays at ``cycle_min_lr`` (momentum at
+    ``cycle_max_mom``). At construction (``last_batch_iteration=-1``) lr = ``cycle_min_lr`` and
+    betas = ``(cycle_min_mom, 0.99)`` are written.
+
+    Momentum is cycled only when ``cycle_momentum`` and the optimizer has ``betas`` in its
+    defaults (Adam-like); for others (e.g. SGD) it is switched off with a warning. DeepSpeed
+    writes ``betas = (mom, 0.99)``, replacing the optimizer's second beta with 0.99; we keep that
+    for identical training.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ):
+        self.optimizer = _resolve_optimizer(optimizer)
+        self._last_lr = None
+
+        # cycle shape
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ValueError(f"cycle_first_step_size must be positive (steps), got {cycle_first_step_size}")
+        if second < 0:
+            raise ValueError(
+                f"cycle_second_step_size must be non-negative (steps), got {cycle_second_step_size}"
+            )
+        self.first_step_size = first
+        self.second_step_size = second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
+        self.decay_step_size = decay_step_size
+        no_decay = decay_step_size == 0
+
+        # lr
+        self.min_lrs = _per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.skip_lr_decay = no_decay or decay_lr_rate == 0
+        if last_batch_iteration == -1:
+            self._last_lr = _write_lrs(self.optimizer.param_groups, self.min_lrs)
+
+        # momentum
+        self.cycle_momentum = cycle_momentum
+        self.decay_mom_rate = decay_mom_rate
+        self.skip_mom_decay = no_decay or decay_mom_rate == 0
+        if cycle_momentum:
+            if "betas" not in getattr(self.optimizer, "defaults", {}):
+                _LOG.warning(
+                    "OneCycle: cycle_momentum is disabled because %s has no 'betas' "
+                    "(DeepSpeed cycles only Adam-style betas[0], not SGD momentum)",
+                    type(self.optimizer).__name__,
+                )
+                self.cycle_momentum = False
+            else:
+                self.min_moms = [
+                    (m, _ONECYCLE_BETA2) for m in _per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")
+                ]
+                self.max_moms = [
+                    (m, _ONECYCLE_BETA2) for m in _per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")
+                ]
+                if last_batch_iteration == -1:
+                    for group, betas in zip(self.optimizer.param_groups, self.min_moms):
+                        group["betas"] = betas
+
+        self.last_batch_iteration = last_batch_iteration
+
+    def _scale_factor(self) -> float:
+        b = self.last_batch_iteration + 1
+        cycle = math.floor(1 + b / self.total_size)
+        x = 1.0 + b / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale = x / self.step_ratio
+            stairs = self.first_stair_count
+        else:
+            scale = (x - 1) / (self.step_ratio - 1)
+            stairs = self.second_stair_count
+        if stairs > 0:
+            # quantise from the integer position, not from `scale` (which can sit 1 ulp under a stair)
+            c = b % self.total_size
+            if c <= self.first_step_size:
+                position = c * stairs / self.first_step_size
+            else:
+                position = (self.total_size - c) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> list:
+        """The lrs of iteration ``last_batch_iteration`` (cycle, then decay)."""
+        if self.last_batch_iteration < self.total_size:
+            s = self._scale_factor()
+            return [lo + (hi - lo) * s for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        d = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_lr_rate * (d / self.decay_step_size)
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list | None:
+        """The ``betas`` tuples of iteration ``last_batch_iteration``, or None if not cycling momentum."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            s = self._scale_factor()
+            return [
+                (hi[0] - (hi[0] - lo[0]) * s, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms)
+            ]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        d = self.last_batch_iteration - self.total_size + 1
+        factor = 1 + self.decay_mom_rate * (d / self.decay_step_size)
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
+    def step(self, batch_iteration: int | None = None) -> None:  # DeepSpeed's argument name
+        """Advance one step (or to ``batch_iteration``); write lrs and, if cycling, ``betas``."""
+        super().step(batch_iteration)
+        if self.cycle_momentum:
+            for group, betas in zip(self.optimizer.param_groups, self.get_mom()):
+                group["betas"] = betas
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+SCHEDULERS: dict[str, type] = {
+    "LRRangeTest": LRRangeTest,
+    "OneCycle": OneCycle,
+    "WarmupLR": WarmupLR,
+    "WarmupDecayLR": WarmupDecayLR,
+    "WarmupCosineLR": WarmupCosineLR,
+}
+
+
+def _torch_scheduler_class(name: str) -> type | None:
+    from torch.optim import lr_scheduler
+
+    base = lr_scheduler.LRScheduler
+    cls = getattr(lr_scheduler, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)) or cls in (base, lr_scheduler._LRScheduler):
+        return None
+    # only schedules built as cls(optimizer, **params) (not ChainedScheduler(schedulers, ...))
+    first = next(iter(list(inspect.signature(cls.__init__).parameters)[1:]), None)
+    return cls if first == "optimizer" else None
+
+
+def _torch_scheduler_names() -> list[str]:
+    from torch.optim import lr_scheduler
+
+    return sorted(n for n in dir(lr_scheduler) if not n.startswith("_") and _torch_scheduler_class(n))
+
+
+def build_scheduler(optimizer: Any, type_name: str, params: Mapping[str, Any] | None = None) -> Any:
+    """Build the schedule a config's ``"scheduler": {"type": type_name, "params": params}`` names.
+
+    ``type_name`` is one of ``SCHEDULERS`` or, as in DeepSpeed, the name of a
+    ``torch.optim.lr_scheduler`` class (e.g. ``"StepLR"``), built as ``cls(optimizer, **params)``.
+    Raises ``ValueError`` for an unknown type (listing the valid names), an unknown parameter
+    (naming the closest valid one) or a missing required parameter.
+    """
+    params = dict(params or {})
+    cls = SCHEDULERS.get(type_name) or _torch_scheduler_class(type_name)
+    if cls is None:
+        known = list(SCHEDULERS)
+        close = difflib.get_close_matches(type_name, known + _torch_scheduler_names(), n=1, cutoff=0.5)
+        if not close:
+            close = [k for k in known + _torch_scheduler_names() if k.lower() == str(type_name).lower()]
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"unknown scheduler type {type_name!r}.{hint} Valid types: {', '.join(known)}, or any "
+            f"torch.optim.lr_scheduler class ({', '.join(_torch_scheduler_names())})"
+        )
+
+    signature = inspect.signature(cls.__init__)
+    accepted = [
+        name
+        for name, p in signature.parameters.items()
+        if name not in ("self", "optimizer") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.0)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"unknown parameter {key!r} for scheduler {type_name}.{hint} "
+                f"Valid parameters: {', '.join(accepted)}"
+            )
+    missing = [
+        name
+        for name in accepted
+        if signature.parameters[name].default is inspect.Parameter.empty and name not in params
+    ]
+    if missing:
+        raise ValueError(f"scheduler {type_name} needs parameter(s) {', '.join(missing)} in its params")
+    return cls(optimizer, **params)

@@ -1,0 +1,114 @@
+"""build_optimizer: class, implementation choice (foreach / fused), kwargs, param groups, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerospeed.optim import TORCH_OPTIMIZERS, build_optimizer
+from zerospeed.optim import factory
+
+
+def _params(n=3, device="cpu"):
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3, device=device)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_class_chosen_and_foreach_on_cpu(name):
+    opt = build_optimizer(_params(), name, {"lr": 0.01})
+    assert type(opt) is getattr(torch.optim, name)
+    assert opt.defaults["lr"] == 0.01
+    assert opt.defaults["foreach"] is True
+    assert not opt.defaults.get("fused")
+
+
+def test_kwargs_passed_and_json_betas_become_a_tuple():
+    opt = build_optimizer(
+        _params(), "AdamW", {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    )
+    d = opt.defaults
+    assert (d["lr"], d["betas"], d["eps"], d["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.1)
+    sgd = build_optimizer(_params(), "SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True})
+    assert sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"] is True
+
+
+def test_param_groups_and_generators():
+    ps = _params(4)
+    opt = build_optimizer(
+        ({"params": ps[:2], "weight_decay": 0.0}, {"params": iter(ps[2:]), "lr": 0.5, "betas": [0.5, 0.6]}),
+        "Adam",
+        {"lr": 0.01, "weight_decay": 0.1},
+    )
+    g0, g1 = opt.param_groups
+    assert g0["params"] == ps[:2] and g0["weight_decay"] == 0.0 and g0["lr"] == 0.01
+    assert g1["params"] == ps[2:] and g1["lr"] == 0.5 and g1["betas"] == (0.5, 0.6)
+    assert g0["foreach"] is True and g1["foreach"] is True
+    gen = build_optimizer((p for p in ps), "SGD", {"lr": 0.1})
+    assert gen.param_groups[0]["params"] == ps
+    single = build_optimizer(ps[0], "SGD", {"lr": 0.1})
+    assert single.param_groups[0]["params"] == [ps[0]]
+
+
+def test_user_choice_of_implementation_is_kept():
+    opt = build_optimizer(_params(), "Adam", {"lr": 0.01, "foreach": False})
+    assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
+    opt = build_optimizer(_params(), "Adam", {"lr": 0.01, "fused": True})
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    opt = build_optimizer([{"params": _params(), "foreach": False}], "AdamW", {"lr": 0.01})
+    assert opt.param_groups[0]["foreach"] is False and not opt.defaults["foreach"]
+    opt = build_optimizer(_params(), "SGD", {"lr": 0.01, "differentiable": True})
+    assert not opt.defaults["foreach"] and not opt.defaults["fused"]
+
+
+def test_fused_chosen_on_a_fused_capable_accelerator(monkeypatch):
+    # No accelerator here: pretend the "meta" device type has fused kernels.
+    monkeypatch.setattr(factory, "_fused_devices", lambda: {"meta", "cpu"})
+    meta = [torch.nn.Parameter(torch.empty(4, device="meta"))]
+    for name in ("Adam", "AdamW", "SGD", "Adagrad"):
+        opt = build_optimizer(meta, name, {"lr": 0.01})
+        assert opt.defaults["fused"] is True and not opt.defaults["foreach"], name
+    rms = build_optimizer(meta, "RMSprop", {"lr": 0.01})  # no fused kernel: foreach
+    assert rms.defaults["foreach"] is True
+    mixed = build_optimizer(meta + _params(1), "Adam", {"lr": 0.01})  # one CPU param: foreach
+    assert mixed.defaults["foreach"] is True and not mixed.defaults["fused"]
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"])
+def test_cpu_steps_are_bitwise_equal_to_default_torch(name):
+    kwargs = {"lr": 0.01, "weight_decay": 0.01}
+    if name in ("SGD", "RMSprop"):
+        kwargs["momentum"] = 0.9
+    ours_p, ref_p = _params(), _params()
+    ours = build_optimizer(ours_p, name, kwargs)
+    ref = getattr(torch.optim, name)(ref_p, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        assert torch.equal(a, b)
+
+
+def test_unknown_optimizer_names_closest():
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adamw'.*Did you mean 'AdamW'.*Valid names:.*SGD"):
+        build_optimizer(_params(), "adamw", {})
+    with pytest.raises(ValueError, match=r"'Adamm'.*Did you mean 'Adam"):
+        build_optimizer(_params(), "Adamm", {})
+    with pytest.raises(ValueError, match="unknown optimizer 'Optimizer'"):
+        build_optimizer(_params(), "Optimizer", {})
+
+
+def test_unknown_kwarg_names_closest_and_max_grad_norm_rejected():
+    with pytest.raises(ValueError, match=r"'weight_decy'.*torch.optim.AdamW.*Did you mean 'weight_decay'"):
+        build_optimizer(_params(), "AdamW", {"weight_decy": 0.1})
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        build_optimizer(_params(), "Adam", {"lr": 0.1, "max_grad_norm": 1.0})
+
+
+def test_mixed_tensors_and_groups_rejected():
+    ps = _params(2)
+    with pytest.raises(TypeError, match="mix"):
+        build_optimizer([ps[0], {"params": [ps[1]]}], "SGD", {"lr": 0.1})
