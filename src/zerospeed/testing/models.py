@@ -20,6 +20,9 @@ class GPTConfig:
 
     vocab_size: tokens (256 for byte-level text). seq_len: maximum context in tokens.
     n_layer blocks of width d_model split over n_head heads. dropout: probability (0 = off).
+    bias=False removes every bias; parity tests use it because the attention key bias has an
+    exactly zero true gradient (softmax is shift-invariant), so Adam turns rounding noise in it
+    into lr-sized updates that differ between any two summation orders.
     """
 
     vocab_size: int = 256
@@ -29,13 +32,15 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     tie_weights: bool = True
+    bias: bool = True  # biases in Linear and LayerNorm (False: nanoGPT / LLaMA style)
 
     def num_params(self) -> int:
         """Parameter count (elements), counting a tied weight once."""
-        d, v = self.d_model, self.vocab_size
-        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        d, v, b = self.d_model, self.vocab_size, int(self.bias)
+        block = 2 * (d + b * d) + (3 * d * d + b * 3 * d) + (d * d + b * d) + (4 * d * d + b * 4 * d) \
+            + (4 * d * d + b * d)
         head = 0 if self.tie_weights else v * d
-        return v * d + self.seq_len * d + self.n_layer * block + 2 * d + head
+        return v * d + self.seq_len * d + self.n_layer * block + d + b * d + head
 
 
 # Named sizes used by the demo and the benchmarks.
@@ -53,8 +58,8 @@ class CausalSelfAttention(nn.Module):
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"d_model={cfg.d_model} must be divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +76,11 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +104,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import time
 import traceback
@@ -57,7 +58,9 @@ def _rank_main(fn, rank, world_size, port, timeout_s, args, kwargs, results, env
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
+        # plain pickle copies tensors by value; the queue's own pickler would share them through
+        # file descriptors that die with this process
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         if type(exc).__name__ == "Skipped":  # pytest.skip inside a rank
             results.put((rank, "skip", str(exc)))
@@ -122,4 +125,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         import pytest
 
         pytest.skip(skips[0])
-    return [outs[r][1] for r in range(world_size)]
+    return [pickle.loads(outs[r][1]) for r in range(world_size)]

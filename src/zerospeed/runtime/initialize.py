@@ -1,0 +1,145 @@
+"""`zerospeed.initialize`: validate the config, start the process group, build and wire the parts.
+
+Order (DESIGN.md, "The data path"): config (validated before any process group or tensor) ->
+process group -> model placement and broadcast -> optimizer -> LR scheduler -> ZeRO strategy ->
+engine. Each builder receives only its own section of the config.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.init import default_device, init_distributed, read_launch_env
+from ..comm.logger import CommsLogger
+from ..comm.ops import broadcast
+from ..config import ConfigError, ZeroSpeedConfig, load_config
+from ..optim import build_optimizer, build_scheduler
+from ..zero.strategy import DataParallelStrategy
+from .dataloader import build_dataloader
+from .engine import ZeroSpeedEngine
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` flags to `parser`."""
+    group = parser.add_argument_group("zerospeed", "zerospeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the engine (compatibility flag)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="path to the ds_config JSON file")
+    return parser
+
+
+def _config_source(args, config, config_params):
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError("a config was given both as config=... and as args.deepspeed_config; pass only one")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError("no config: pass config=<path | dict | JSON string> or args.deepspeed_config")
+    return source
+
+
+def _dp_world_size(mpu) -> int:
+    if mpu is not None:
+        raise NotImplementedError("mpu (Megatron-style model parallelism) is not supported yet; pass mpu=None")
+    return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
+
+
+def _build_optimizer(cfg: ZeroSpeedConfig, optimizer, params) -> torch.optim.Optimizer | None:
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
+    if cfg.optimizer is None:
+        return None
+    return build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs())
+
+
+def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    if optimizer is None:
+        raise ConfigError(f"scheduler {cfg.scheduler.type!r} needs an optimizer: add an 'optimizer' block "
+                          "or pass optimizer=...")
+    return build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.kwargs())
+
+
+def _check_supported(cfg: ZeroSpeedConfig) -> None:
+    stage = cfg.zero_optimization.stage
+    if stage != 0:
+        raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
+                                  "zerospeed; use stage 0 (data parallelism) for now")
+    if cfg.fp16.enabled or cfg.bf16.enabled:
+        which = "fp16" if cfg.fp16.enabled else "bf16"
+        raise NotImplementedError(f"{which}.enabled=true: mixed precision is not implemented yet in this version "
+                                  "of zerospeed; train in fp32 for now")
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, config_params: Any = None,
+               distributed_port: int = 29500):
+    """Build a training engine around `model` (DeepSpeed's `deepspeed.initialize`).
+
+    config: a ds_config as a dict, a path to a JSON file, a JSON string or urlsafe-base64 JSON
+    (or `args.deepspeed_config`). optimizer / lr_scheduler: an object, a callable building one
+    (from the parameters / from the optimizer), or None to build from the config.
+    model_parameters: the parameters (or param-group dicts) to optimize; default all of `model`'s.
+    training_data: a torch Dataset; a DataLoader with a DistributedSampler over the data-parallel
+    ranks is built for it (micro-batch size from the config).
+
+    Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed does.
+    Raises ConfigError for a bad config (before any process group is created),
+    NotImplementedError for a feature not implemented yet, TypeError for bad arguments.
+    """
+    if model is None:
+        raise TypeError("initialize() needs model=<torch.nn.Module>")
+    source = _config_source(args, config, config_params)
+    client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt)
+    _check_supported(cfg)
+
+    init_distributed(dist_init_required=dist_init_required)
+    group = None  # data-parallel group: the whole world until other parallel dimensions exist
+    env = read_launch_env()
+    device = default_device(env.local_rank)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    model.to(device)
+    with torch.no_grad():  # every rank starts from rank 0's weights, as DeepSpeed does
+        for t in list(model.parameters()) + list(model.buffers()):
+            broadcast(t.data, 0, group=group)
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    opt = _build_optimizer(cfg, optimizer, params)
+    sched = _build_scheduler(cfg, lr_scheduler, opt)
+
+    cl = cfg.comms_logger
+    logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
+                         prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    strategy = DataParallelStrategy(trainable, opt, group=group,
+                                    bucket_size=int(cfg.zero_optimization.reduce_bucket_size),
+                                    average=cfg.gradient_allreduce_op == "mean",
+                                    predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
+                                    logger=logger)
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
+                                  group=group, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+                                  seed=cfg.seed or 0)
+    engine = ZeroSpeedEngine(
+        module=model, optimizer=opt, lr_scheduler=sched, strategy=strategy, group=group, device=device,
+        train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,
+        zero_stage=cfg.zero_optimization.stage, steps_per_print=cfg.steps_per_print or 10,
+        comms_logger=logger, training_dataloader=loader, local_rank=env.local_rank)
+    return engine, opt, loader, sched

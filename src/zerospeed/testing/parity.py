@@ -1,0 +1,86 @@
+"""Plain-PyTorch references and comparison helpers for parity tests.
+
+A parity test trains the same model (same seed) on the same global batches twice: once with
+zerospeed on N ranks, once here in one process with plain PyTorch, and compares per-step losses
+and final parameters to a stated tolerance.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def global_batches(tokens: torch.Tensor, global_batch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split token rows [n, seq+1] into `steps` global batches of (inputs, targets), each [global_batch, seq]."""
+    need = global_batch * steps
+    if tokens.shape[0] < need:
+        raise ValueError(f"need {need} token rows for {steps} steps of {global_batch}, got {tokens.shape[0]}")
+    return [(tokens[i:i + global_batch, :-1], tokens[i:i + global_batch, 1:])
+            for i in range(0, need, global_batch)]
+
+
+def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int,
+                  gas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's `gas` micro-batches of a global batch: rank r takes rows [r*B/W, (r+1)*B/W), split in gas."""
+    x, y = batch
+    per_rank = x.shape[0] // world_size
+    xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+    return list(zip(xs.chunk(gas), ys.chunk(gas)))
+
+
+def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, clip: float = 0.0,
+                    scheduler=None) -> list[float]:
+    """Plain PyTorch: one full-batch step per batch (loss = model(x, y)); returns the per-step losses."""
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                 on_step: Callable | None = None) -> list[float]:
+    """Train `engine` one step per global batch on this rank's micro-batches; returns the per-step
+    global loss (the mean over micro-batches and ranks, all-reduced)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gas = engine.gradient_accumulation_steps()
+    losses = []
+    for batch in batches:
+        total = torch.zeros((), dtype=torch.float64)
+        for x, y in micro_batches(batch, rank, world, gas):
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        dist.all_reduce(total)
+        losses.append(float(total) / (gas * world))
+        if on_step is not None:
+            on_step(engine)
+    return losses
+
+
+def max_rel_diff(a: Iterable[float], b: Iterable[float]) -> float:
+    """max_i |a_i - b_i| / max(|b_i|, 1e-12)."""
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        raise ValueError(f"length mismatch: {len(a)} vs {len(b)}")
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def state_max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest over tensors of max|a - b| / max|b| (keys must match)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"key mismatch: {sorted(set(a) ^ set(b))}")
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
+               for k in a)
