@@ -18,7 +18,7 @@ from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..optim import build_optimizer, build_scheduler
-from ..zero.strategy import DataParallelStrategy
+from ..zero.factory import build_strategy
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
 
@@ -49,16 +49,28 @@ def _dp_world_size(mpu) -> int:
     return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
 
 
-def _build_optimizer(cfg: ZeroSpeedConfig, optimizer, params) -> torch.optim.Optimizer | None:
+def _optimizer_builder(cfg: ZeroSpeedConfig, optimizer):
+    """A function params -> optimizer, from a client optimizer (object or callable) or the config.
+
+    A client optimizer object is reused as-is when the strategy optimizes the very same parameters
+    (stage 0); for partitioned stages its class and defaults are rebuilt over the partitions.
+    """
     if optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
+            client = optimizer
+
+            def rebuild(params):
+                own = [p for g in client.param_groups for p in g["params"]]
+                if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
+                    return client
+                return type(client)(params, **client.defaults)
+            return rebuild
         if callable(optimizer):
-            return optimizer(params)
+            return optimizer
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
     if cfg.optimizer is None:
         return None
-    return build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs())
+    return lambda params: build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs())
 
 
 def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
@@ -72,11 +84,14 @@ def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
     return build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.kwargs())
 
 
+IMPLEMENTED_STAGES = {0}
+
+
 def _check_supported(cfg: ZeroSpeedConfig) -> None:
     stage = cfg.zero_optimization.stage
-    if stage != 0:
+    if stage not in IMPLEMENTED_STAGES:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
-                                  "zerospeed; use stage 0 (data parallelism) for now")
+                                  f"zerospeed (implemented: {sorted(IMPLEMENTED_STAGES)})")
     if cfg.fp16.enabled or cfg.bf16.enabled:
         which = "fp16" if cfg.fp16.enabled else "bf16"
         raise NotImplementedError(f"{which}.enabled=true: mixed precision is not implemented yet in this version "
@@ -92,7 +107,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     config: a ds_config as a dict, a path to a JSON file, a JSON string or urlsafe-base64 JSON
     (or `args.deepspeed_config`). optimizer / lr_scheduler: an object, a callable building one
     (from the parameters / from the optimizer), or None to build from the config.
-    model_parameters: the parameters (or param-group dicts) to optimize; default all of `model`'s.
+    model_parameters: the parameters to optimize: all trainable parameters of `model` (the default);
+    param-group dicts and subsets raise NotImplementedError for now.
     training_data: a torch Dataset; a DataLoader with a DistributedSampler over the data-parallel
     ranks is built for it (micro-batch size from the config).
 
@@ -118,19 +134,22 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast(t.data, 0, group=group)
 
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    opt = _build_optimizer(cfg, optimizer, params)
-    sched = _build_scheduler(cfg, lr_scheduler, opt)
-
+    if model_parameters is not None:
+        given = list(model_parameters)
+        if not all(isinstance(p, torch.Tensor) for p in given) or \
+                {id(p) for p in given} != {id(p) for p in model.parameters() if p.requires_grad}:
+            raise NotImplementedError("model_parameters must be all trainable parameters of the model (param "
+                                      "groups as dicts are not supported yet); freeze others with requires_grad=False")
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    strategy = DataParallelStrategy(trainable, opt, group=group,
-                                    bucket_size=int(cfg.zero_optimization.reduce_bucket_size),
-                                    average=cfg.gradient_allreduce_op == "mean",
-                                    predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
-                                    logger=logger)
+    strategy = build_strategy(cfg.zero_optimization.stage, module=model,
+                              make_optimizer=_optimizer_builder(cfg, optimizer), group=group,
+                              zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
+                              predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
+                              logger=logger)
+    opt = strategy.optimizer
+    sched = _build_scheduler(cfg, lr_scheduler, opt)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,

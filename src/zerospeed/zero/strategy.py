@@ -26,6 +26,7 @@ class ZeroStrategy(abc.ABC):
     """One ZeRO stage: how gradients are reduced and where parameters and optimizer states live."""
 
     stage: int
+    optimizer: torch.optim.Optimizer | None  # over what this rank updates (its partition for stages >= 1)
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,33 @@
+"""Pick and build the ZeRO strategy for a stage: the one place that maps `stage` to a class."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.logger import CommsLogger
+from .strategy import DataParallelStrategy, ZeroStrategy
+
+# Builds the optimizer over whatever tensors the strategy hands it (full parameters for stage 0,
+# flat fp32 partitions for stages >= 1); None when the engine has no optimizer.
+OptimizerBuilder = Callable[[list], torch.optim.Optimizer] | None
+
+
+def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBuilder,
+                   group: dist.ProcessGroup | None, zero_cfg, gradient_allreduce_op: str = "mean",
+                   predivide_factor: float = 1.0, logger: CommsLogger | None = None) -> ZeroStrategy:
+    """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
+
+    zero_cfg: the validated `zero_optimization` section (bucket sizes in elements, stage-3 knobs).
+    Raises NotImplementedError for a stage this version does not implement.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if stage == 0:
+        opt = make_optimizer(params) if make_optimizer is not None else None
+        return DataParallelStrategy(params, opt, group=group, bucket_size=int(zero_cfg.reduce_bucket_size),
+                                    average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
+                                    logger=logger)
+    raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
+                              "zerospeed; use stage 0 (data parallelism) for now")
