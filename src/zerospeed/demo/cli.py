@@ -6,14 +6,36 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = "examples/configs/demo.json"
+
+
+def find_config(path: str) -> Path | None:
+    """`path` as given, or (for the default) the copy in the source checkout this package runs from."""
+    p = Path(path)
+    if p.is_file():
+        return p.resolve()
+    if path == DEFAULT_CONFIG:
+        repo_copy = Path(__file__).resolve().parents[3] / DEFAULT_CONFIG
+        if repo_copy.is_file():
+            return repo_copy
+    return None
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="zerospeed demo", description=__doc__)
     p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS per rank (default 1)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"ds_config JSON (default {DEFAULT_CONFIG})")
     args, rest = p.parse_known_args(argv)
+    config = find_config(args.config)
+    if config is None:  # fail here, once, before any rank starts
+        print(f"zerospeed demo: config file {args.config!r} not found; pass --config PATH", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads_per_rank))
     from zerospeed.launcher.launch import main as launch
 
-    return launch(["--nproc-per-node", str(args.nproc_per_node), "-m", "zerospeed.demo.train", *rest])
+    return launch(["--nproc-per-node", str(args.nproc_per_node), "-m", "zerospeed.demo.train",
+                   "--config", str(config), *rest])

@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         print(exc.format_msg(), file=sys.stderr)
         return 1
+    except SignalException as exc:  # Ctrl-C / SIGTERM: torchrun has already passed it on to the ranks
+        print(f"zerospeed launch: stopped by signal {int(exc.sigval)}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0
