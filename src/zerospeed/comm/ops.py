@@ -69,3 +69,32 @@ def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     _handle("broadcast", work, tensor, logger, started).wait()
     return tensor
+
+
+# recent torch names the single-tensor collectives *_single (the *_tensor / *_into_tensor names are deprecated)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None,
+                         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                         logger: CommsLogger | None = None) -> CommHandle:
+    """Start a reduce-scatter: `input` ([N * k] elements, the same length on every rank) is summed over
+    `group` and rank r receives elements [r*k, (r+1)*k) in `output` ([k]). `output` may be that very
+    slice of `input` (in place). Counted as `input.numel()` elements. Finish with `.wait()`."""
+    started = time.perf_counter()
+    with record_function("zerospeed::reduce_scatter"):
+        work = _reduce_scatter_single(output, input, op=op, group=group, async_op=True)
+    return _handle("reduce_scatter", work, input, logger, started)
+
+
+def start_all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None,
+                     logger: CommsLogger | None = None) -> CommHandle:
+    """Start an all-gather: every rank's `input` ([k]) lands in `output` ([N * k]) at [r*k, (r+1)*k).
+    `input` may be this rank's slice of `output` (in place). Counted as `output.numel()` elements
+    (the gathered size, as NCCL and DeepSpeed report it), so reduce-scatter + all-gather of Ψ
+    elements count 2Ψ. Finish with `.wait()`."""
+    started = time.perf_counter()
+    with record_function("zerospeed::all_gather"):
+        work = _all_gather_single(output, input, group=group, async_op=True)
+    return _handle("all_gather", work, output, logger, started)

@@ -34,13 +34,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: scheduler total_num_steps)")
     p.add_argument("--eval-interval", type=int, default=100, help="steps between validation passes")
     p.add_argument("--eval-windows", type=int, default=64, help="validation windows (split over ranks)")
-    p.add_argument("--val-bytes", type=int, default=1 << 20, help="bytes held out at the end of the corpus")
+    p.add_argument("--val-bytes", type=int, default=None,
+                   help="bytes held out at the end of the corpus (default: 1 MiB, at most a tenth of it)")
     p.add_argument("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     p.add_argument("--sample-bytes", type=int, default=200, help="bytes of text to generate at the end")
     p.add_argument("--out", default="runs/demo", help="directory for the weights and the run summary")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    return p.parse_args(argv)
+    p.add_argument("--wall-clock-breakdown", action="store_true",
+                   help="print forward/backward/step times every steps_per_print steps")
+    p.add_argument("--csv-log", metavar="DIR", default=None,
+                   help="write loss, lr, grad norm, tokens/s and memory per step as CSV files under DIR/demo/")
+    args = p.parse_args(argv)
+    if args.max_bytes is not None and args.max_bytes < 10_000:
+        p.error(f"--max-bytes {args.max_bytes} is too small: use at least 10000")
+    if args.val_bytes is not None and args.max_bytes is not None and not 0 < args.val_bytes < args.max_bytes // 2:
+        p.error(f"--val-bytes {args.val_bytes} must be between 1 and half of --max-bytes ({args.max_bytes // 2})")
+    return args
 
 
 def load_ds_config(path: str, steps: int | None) -> tuple[dict, int]:
@@ -99,6 +109,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     ds_config, total_steps = load_ds_config(args.config, args.steps)
+    if args.wall_clock_breakdown:
+        ds_config["wall_clock_breakdown"] = True
+    if args.csv_log:
+        ds_config["csv_monitor"] = {"enabled": True, "output_path": args.csv_log, "job_name": "demo"}
     torch.manual_seed(args.seed)
     model = GPT(GPT_SIZES[args.model])
     engine, _, _, _ = zerospeed.initialize(model=model, config=ds_config)
@@ -107,7 +121,8 @@ def main(argv=None) -> int:
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
 
-    splits = split_corpus(load_corpus(max_bytes=args.max_bytes), args.val_bytes)
+    corpus = load_corpus(max_bytes=args.max_bytes)
+    splits = split_corpus(corpus, args.val_bytes or min(1 << 20, corpus.numel() // 10))
     unigram = splits.unigram_bits_per_byte()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank reads different windows
     n_params = sum(p.numel() for p in model.parameters())

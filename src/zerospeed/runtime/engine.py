@@ -18,6 +18,7 @@ from torch import nn
 from ..comm.logger import CommsLogger
 from ..zero.data_parallel import ReducePhase
 from ..zero.strategy import ZeroStrategy
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,8 @@ class ZeroSpeedEngine(nn.Module):
                  strategy: ZeroStrategy, group: dist.ProcessGroup | None, device: torch.device,
                  train_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
                  gradient_clipping: float, zero_stage: int, steps_per_print: int,
-                 comms_logger: CommsLogger | None, training_dataloader=None, local_rank: int = 0):
+                 comms_logger: CommsLogger | None, telemetry: Telemetry, training_dataloader=None,
+                 local_rank: int = 0):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -44,6 +46,7 @@ class ZeroSpeedEngine(nn.Module):
         self.group = group
         self.device = device
         self.comms_logger = comms_logger
+        self.telemetry = telemetry
         self.training_dataloader = training_dataloader
         self._train_batch_size = train_batch_size
         self._micro_batch_size = micro_batch_size
@@ -66,7 +69,11 @@ class ZeroSpeedEngine(nn.Module):
 
     # -- forward / backward / step ----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        self.telemetry.forward_begin(args, self.global_steps)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.telemetry.forward_end(self.global_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the last micro-batch of a step: `(micro_steps + 1) % gradient_accumulation_steps == 0`."""
@@ -76,19 +83,26 @@ class ZeroSpeedEngine(nn.Module):
         """Back-propagate `loss` / gradient_accumulation_steps; at the boundary, all-reduce gradients
         in buckets while backward runs. Returns the scaled loss. Raises ValueError for a non-scalar
         loss without a gradient."""
+        self.telemetry.record_loss(loss)
         if scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
-        reduce = self.is_gradient_accumulation_boundary() and not self._in_no_sync
+        reduce = (self.is_gradient_accumulation_boundary() or self.strategy.reduce_every_micro_step) and not self._in_no_sync
         if reduce:
             self.strategy.arm()
+        timers = self.telemetry.timers
+        timers.start("bwd_inner")
         try:
             loss.backward(retain_graph=retain_graph)
         except BaseException:
             if reduce:
                 self.strategy.disarm()
             raise
+        finally:
+            timers.stop("bwd_inner")
         if reduce:
+            timers.start("bwd_allreduce")
             self.strategy.finish()
+            timers.stop("bwd_allreduce")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -101,6 +115,7 @@ class ZeroSpeedEngine(nn.Module):
                                "so the accumulated gradients are reduced first")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            self.telemetry.timers.start("step")
             if self.strategy.phase is not ReducePhase.FINISHED:
                 # gradients came from a plain loss.backward(): reduce them now, all at once
                 self.strategy.arm()
@@ -115,6 +130,8 @@ class ZeroSpeedEngine(nn.Module):
             self.global_steps += 1
             self.global_samples += self._train_batch_size
             self.strategy.disarm()
+            self.telemetry.timers.stop("step")
+            self.telemetry.end_step(self)
             self._maybe_print()
         self.micro_steps += 1
 
@@ -176,6 +193,7 @@ class ZeroSpeedEngine(nn.Module):
     def destroy(self) -> None:
         """Remove hooks and release gradient buckets; the process group is left to the caller."""
         self.strategy.remove()
+        self.telemetry.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of model states this rank holds: params, grads, optimizer_states, master_weights."""

@@ -21,6 +21,7 @@ from ..optim import build_optimizer, build_scheduler
 from ..zero.factory import build_strategy
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
+from .telemetry import Telemetry
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -84,7 +85,7 @@ def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
     return build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.kwargs())
 
 
-IMPLEMENTED_STAGES = {0}
+IMPLEMENTED_STAGES = {0, 1, 2}
 
 
 def _check_supported(cfg: ZeroSpeedConfig) -> None:
@@ -96,6 +97,27 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
         which = "fp16" if cfg.fp16.enabled else "bf16"
         raise NotImplementedError(f"{which}.enabled=true: mixed precision is not implemented yet in this version "
                                   "of zerospeed; train in fp32 for now")
+
+
+def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
+    """Monitors (rank 0 writes), the flops profiler and wall-clock timers, from their config blocks."""
+    from ..checkpointing import configure as configure_checkpointing
+
+    configure_checkpointing(None, deepspeed_config=cfg)  # the activation_checkpointing block
+    monitor = None
+    if cfg.tensorboard.enabled or cfg.wandb.enabled or cfg.csv_monitor.enabled:
+        from ..monitor import MonitorMaster
+
+        monitor = MonitorMaster(rank=dist.get_rank(), tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                                csv_monitor=cfg.csv_monitor)
+    profiler = None
+    if cfg.flops_profiler.enabled:
+        from ..profiling import FlopsProfiler
+
+        profiler = FlopsProfiler(model, recompute_fwd_factor=cfg.flops_profiler.recompute_fwd_factor)
+    return Telemetry(rank=dist.get_rank(), device=device, steps_per_print=cfg.effective_steps_per_print,
+                     wall_clock_breakdown=cfg.effective_wall_clock_breakdown, monitor=monitor,
+                     profiler=profiler, profiler_cfg=cfg.flops_profiler)
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -150,6 +172,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               logger=logger)
     opt = strategy.optimizer
     sched = _build_scheduler(cfg, lr_scheduler, opt)
+    telemetry = _build_telemetry(cfg, model, device)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -159,6 +182,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         module=model, optimizer=opt, lr_scheduler=sched, strategy=strategy, group=group, device=device,
         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,
-        zero_stage=cfg.zero_optimization.stage, steps_per_print=cfg.steps_per_print or 10,
-        comms_logger=logger, training_dataloader=loader, local_rank=env.local_rank)
+        zero_stage=cfg.zero_optimization.stage, steps_per_print=cfg.effective_steps_per_print,
+        comms_logger=logger, telemetry=telemetry, training_dataloader=loader, local_rank=env.local_rank)
+    if telemetry.profiler is not None:
+        telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

@@ -6,6 +6,9 @@ A `post_accumulate_grad` hook marks a parameter ready; once every parameter of a
 the bucket's all-reduce starts, while backward keeps computing. Buckets start strictly in plan
 order, so every rank issues the same collectives in the same order. `finish()` flushes buckets
 whose parameters got no gradient, waits for all of them and averages.
+
+`OrderedBucketHooks` (hooks + in-order launch) and `GradViews` (`.grad` as views) are shared with
+the ZeRO stage 1-2 reduce-scatter (`stage12.py`).
 """
 from __future__ import annotations
 
@@ -25,7 +28,108 @@ class ReducePhase(enum.Enum):
     FINISHED = "finished"    # all buckets reduced and averaged
 
 
-class GradientAllReducer:
+class OrderedBucketHooks:
+    """Post-accumulate-grad hooks that start bucket collectives strictly in launch order.
+
+    Shared by every stage that reduces gradients during backward (stage 0 all-reduce, stages 1-2
+    reduce-scatter). buckets_of[i]: the launch slots (0 starts first) parameter i has elements in;
+    a parameter may feed several buckets when a flat chunk boundary cuts through it. A bucket
+    starts once all its parameters are ready and every earlier bucket has started, so all ranks
+    issue the same collectives in the same order. Subclasses implement `_store_grad(index, p)`
+    (called for every gradient, in any phase) and `_launch(slot)`.
+    names: parameter names for error messages (default "#index").
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], buckets_of: list[list[int]], num_buckets: int,
+                 names: list[str] | None = None):
+        self._buckets_of = [sorted(set(b)) for b in buckets_of]
+        self._names = names or [f"#{i}" for i in range(len(params))]
+        self._pending = [0] * num_buckets
+        for bs in self._buckets_of:
+            for b in bs:
+                self._pending[b] += 1
+        self._ready = [0] * num_buckets
+        self._seen = [False] * len(params)
+        self._next = 0
+        self.phase = ReducePhase.IDLE
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    def _store_grad(self, index: int, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _launch(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def arm(self) -> None:
+        """Reduce during the coming backward. Raises RuntimeError if already armed."""
+        if self.phase is ReducePhase.ARMED:
+            raise RuntimeError(f"{type(self).__name__}.arm() called twice without finish()")
+        self._ready = [0] * len(self._pending)
+        self._seen = [False] * len(self._seen)
+        self._next = 0
+        self.phase = ReducePhase.ARMED
+
+    def _make_hook(self, index: int):
+        def hook(p: torch.Tensor) -> None:
+            self._store_grad(index, p)
+            if self.phase is ReducePhase.ARMED:
+                self._mark_ready(index)
+        return hook
+
+    def _mark_ready(self, index: int) -> None:
+        if self._seen[index]:
+            raise RuntimeError(f"parameter {self._names[index]} received its gradient twice in one reducing "
+                               "backward (a second backward through the same graph, or reentrant activation "
+                               "checkpointing); its bucket may already be reduced. Use one backward per "
+                               "micro-batch and torch.utils.checkpoint(..., use_reentrant=False)")
+        self._seen[index] = True
+        for b in self._buckets_of[index]:
+            self._ready[b] += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self._pending) and (force or self._ready[self._next] >= self._pending[self._next]):
+            self._launch(self._next)
+            self._next += 1
+
+    def launch_remaining(self) -> None:
+        """Start every bucket not started yet (parameters that got no gradient), in order."""
+        self._launch_ready(force=True)
+
+    def disarm(self) -> None:
+        self.phase = ReducePhase.IDLE
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class GradViews:
+    """Keeps each parameter's `.grad` a view into flat gradient storage (DDP's `gradient_as_bucket_view`),
+    so autograd accumulates in place. views[i] has parameter i's shape."""
+
+    def __init__(self, params: list[torch.nn.Parameter], views: list[torch.Tensor]):
+        self.params = params
+        self.views = views
+
+    def store(self, index: int, p: torch.Tensor) -> None:
+        """In a post-accumulate-grad hook: move a fresh `.grad` (grads were None) into its view."""
+        view = self.views[index]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def attach(self) -> None:
+        """Point every `.grad` at its view, copying a gradient the user assigned."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+
+
+class GradientAllReducer(OrderedBucketHooks):
     """Owns the gradient buckets of `params` and their all-reduce over `group`.
 
     params: the trainable parameters (deduplicated). bucket_size: elements per bucket
@@ -47,31 +151,25 @@ class GradientAllReducer:
         self.plan: BucketPlan = plan_buckets([p.numel() for p in params], bucket_size)
         self.buffers = [torch.zeros(n, dtype=params[0].dtype if params else torch.float32,
                                     device=params[0].device if params else None) for n in self.plan.sizes]
-        self._bucket_of = {}
-        self._views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for s in self.plan.slots:
             p = params[s.index]
             if p.dtype != self.buffers[s.bucket].dtype:
                 raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
                                 f"got {p.dtype} and {self.buffers[s.bucket].dtype}")
-            self._views[s.index] = self.buffers[s.bucket][s.offset:s.offset + s.numel].view_as(p)
-            self._bucket_of[s.index] = s.bucket
-        self._pending = [len(self.plan.members(b)) for b in range(len(self.plan.sizes))]
-        self._ready = [0] * len(self.plan.sizes)
-        self._next = 0
+            views[s.index] = self.buffers[s.bucket][s.offset:s.offset + s.numel].view_as(p)
+        self._grads = GradViews(params, views)
+        buckets_of = [[] for _ in params]
+        for s in self.plan.slots:
+            buckets_of[s.index].append(s.bucket)
         self._handles: list[CommHandle] = []
-        self.phase = ReducePhase.IDLE
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        super().__init__(params, buckets_of, len(self.plan.sizes))
         self.attach_grads()
 
     # -- gradient storage -------------------------------------------------------------------
     def attach_grads(self) -> None:
         """Point every `.grad` at its bucket view (after a user set grads to None, say)."""
-        for p, v in zip(self.params, self._views):
-            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+        self._grads.attach()
 
     def zero_grad(self) -> None:
         """Zero all gradients in place (the buckets); `.grad` keeps pointing at them."""
@@ -82,40 +180,24 @@ class GradientAllReducer:
     # -- reduction ------------------------------------------------------------------------
     def arm(self) -> None:
         """Reduce during the coming backward (call at the gradient accumulation boundary)."""
-        if self.phase is ReducePhase.ARMED:
-            raise RuntimeError("GradientAllReducer.arm() called twice without finish()")
-        self._ready = [0] * len(self.plan.sizes)
-        self._next = 0
+        super().arm()
         self._handles = []
-        self.phase = ReducePhase.ARMED
 
-    def _make_hook(self, index: int):
-        def hook(p: torch.Tensor) -> None:
-            view = self._views[index]
-            if p.grad.data_ptr() != view.data_ptr():  # autograd made a fresh tensor (grads were None)
-                view.copy_(p.grad)
-                p.grad = view
-            if self.phase is not ReducePhase.ARMED:
-                return
-            b = self._bucket_of[index]
-            self._ready[b] += 1
-            self._launch_ready()
-        return hook
+    def _store_grad(self, index: int, p: torch.Tensor) -> None:
+        self._grads.store(index, p)
 
-    def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.buffers) and (force or self._ready[self._next] >= self._pending[self._next]):
-            buf = self.buffers[self._next]
-            if self.predivide != 1.0:
-                buf.div_(self.predivide)
-            self._handles.append(start_all_reduce(buf, group=self.group, logger=self.logger))
-            self._next += 1
+    def _launch(self, slot: int) -> None:
+        buf = self.buffers[slot]
+        if self.predivide != 1.0:
+            buf.div_(self.predivide)
+        self._handles.append(start_all_reduce(buf, group=self.group, logger=self.logger))
 
     def finish(self) -> None:
         """Start any bucket not yet started (unused parameters), wait for all, average."""
         if self.phase is not ReducePhase.ARMED:
             raise RuntimeError("GradientAllReducer.finish() without arm()")
         self.attach_grads()
-        self._launch_ready(force=True)
+        self.launch_remaining()
         post = (self.world / self.predivide) if self.average else (1.0 / self.predivide)
         for h, buf in zip(self._handles, self.buffers):
             h.wait()
@@ -123,15 +205,10 @@ class GradientAllReducer:
                 buf.div_(post)
         self.phase = ReducePhase.FINISHED
 
-    def disarm(self) -> None:
-        self.phase = ReducePhase.IDLE
-
     def remove(self) -> None:
         """Remove the hooks and release the buckets (`engine.destroy()`)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self.remove_hooks()
         for p in self.params:
             p.grad = None
         self.buffers = []
-        self._views = []
+        self._grads = GradViews([], [])

@@ -29,5 +29,13 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
         return DataParallelStrategy(params, opt, group=group, bucket_size=int(zero_cfg.reduce_bucket_size),
                                     average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
                                     logger=logger)
+    if stage in (1, 2):
+        from .stage12 import Stage12Strategy
+
+        return Stage12Strategy(module, params, make_optimizer, stage=stage, group=group,
+                               reduce_bucket_size=int(zero_cfg.reduce_bucket_size),
+                               allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
+                               reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
+                               average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor, logger=logger)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                               "zerospeed; use stage 0 (data parallelism) for now")

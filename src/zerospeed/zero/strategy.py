@@ -27,6 +27,9 @@ class ZeroStrategy(abc.ABC):
 
     stage: int
     optimizer: torch.optim.Optimizer | None  # over what this rank updates (its partition for stages >= 1)
+    # reduce at every micro-step's backward, not only at the accumulation boundary (stage 2: gradients
+    # are partitioned as they are produced, so they cannot accumulate locally)
+    reduce_every_micro_step: bool = False
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,248 @@
+"""ZeRO-3 parameter state: the typed per-parameter wrapper and the flat storage of one gather unit.
+
+ZeRO, Rajbhandari et al. 2020, §5.3 (P_os+g+p): each of the N data-parallel ranks keeps only 1/N of
+every parameter. We group parameters into *gather units* (`stage3_units.py`); the parameters of a
+unit are flattened, concatenated and padded to a multiple of N elements, and rank r keeps elements
+[r*S, (r+1)*S) of that flat vector (S = padded / N) as a leaf fp32 tensor, `ShardedUnit.shard`,
+which the optimizer updates. One `all_gather_single` per unit rebuilds the full flat vector; one
+`reduce_scatter_single` per unit and backward reduces its gradient.
+
+Storage (as in FSDP2's `FSDPParam`, whose per-parameter state we mirror; DeepSpeed instead patches
+18 `ds_*` attributes onto each `nn.Parameter`, which we never do):
+
+* each unit owns one persistent full buffer `full` ([padded] elements). While SHARDED its storage is
+  resized to 0 bytes; gathering resizes it back and all-gathers into it. Views of it saved by
+  autograd during forward therefore see the re-gathered values in backward without a copy.
+* a parameter's `.data` is a view into `full` while the unit is GATHERED and a 0-element
+  placeholder otherwise, so a stray use fails on the shape instead of reading freed memory.
+  Tensors derived from a gathered parameter (`p.detach()`, views) are valid only while its unit is
+  gathered: clone them to keep them.
+
+Lifecycle (`ParamStatus`, asserted transitions): SHARDED -> GATHERING -> GATHERED -> SHARDED.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.logger import CommsLogger
+from ..comm.ops import CommHandle, start_all_gather, start_reduce_scatter
+
+
+class ParamStatus(enum.Enum):
+    """Where a unit's parameters are (DeepSpeed's ZeroParamStatus NOT_AVAILABLE / INFLIGHT / AVAILABLE)."""
+
+    SHARDED = "sharded"      # only this rank's shard exists; parameters hold 0-element placeholders
+    GATHERING = "gathering"  # all-gather into the full buffer in flight
+    GATHERED = "gathered"    # full buffer valid; parameters' .data are views into it
+
+
+_ALLOWED = {ParamStatus.SHARDED: ParamStatus.GATHERING, ParamStatus.GATHERING: ParamStatus.GATHERED,
+            ParamStatus.GATHERED: ParamStatus.SHARDED}
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter of a unit lives in its flat vector, and how the vector is split over ranks.
+
+    offsets[i], numels[i]: parameter i occupies elements [offsets[i], offsets[i] + numels[i]).
+    total: sum of numels. padded: total rounded up to a multiple of world (the tail is zero
+    padding). shard_numel: padded / world, the elements each rank keeps.
+    """
+
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    total: int
+    padded: int
+    shard_numel: int
+    world: int
+
+    @property
+    def padding(self) -> int:
+        """Zero elements appended so the vector splits evenly (< world)."""
+        return self.padded - self.total
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the flat vector (elements)."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def param_shard_range(self, index: int, rank: int) -> tuple[int, int]:
+        """[lo, hi) of parameter `index`'s flattened elements held by `rank` (lo == hi: none)."""
+        start, end = self.rank_range(rank)
+        off, n = self.offsets[index], self.numels[index]
+        lo, hi = max(start, off) - off, min(end, off + n) - off
+        return (lo, hi) if lo < hi else (0, 0)
+
+
+def flat_layout(numels: list[int] | tuple[int, ...], world: int) -> FlatLayout:
+    """Pack parameters of `numels` elements back to back and pad to a multiple of `world`.
+
+    Pure. Raises ValueError for world < 1 or a negative numel.
+    """
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if any(n < 0 for n in numels):
+        raise ValueError(f"negative element count in {list(numels)}")
+    offsets, off = [], 0
+    for n in numels:
+        offsets.append(off)
+        off += n
+    padded = -(-off // world) * world
+    return FlatLayout(tuple(offsets), tuple(numels), off, padded, padded // world, world)
+
+
+class ShardedParam:
+    """Per-parameter ZeRO-3 state, kept beside (never on) the `nn.Parameter`.
+
+    param: the parameter object the module holds. fqn: its canonical name from
+    `model.named_parameters()`; aliases: every name it has (tied weights have several).
+    shape / numel: the full shape and element count. index: position in its unit; the unit's
+    `layout` gives its offset. `status` is the unit's (one all-gather serves the whole unit).
+    """
+
+    def __init__(self, param: nn.Parameter, fqn: str, aliases: tuple[str, ...], unit: ShardedUnit, index: int):
+        self.param = param
+        self.fqn = fqn
+        self.aliases = aliases
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.unit = unit
+        self.index = index
+        self.view: torch.Tensor | None = None  # [shape] view into unit.full, valid while GATHERED
+
+    @property
+    def status(self) -> ParamStatus:
+        return self.unit.status
+
+    @property
+    def offset(self) -> int:
+        return self.unit.layout.offsets[self.index]
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's part of the parameter, flattened: a 1-D view into `unit.shard` (maybe 0 elements)."""
+        lo, hi = self.unit.layout.param_shard_range(self.index, self.unit.rank)
+        start = self.unit.layout.rank_range(self.unit.rank)[0]
+        base = self.offset + lo - start
+        return self.unit.shard.detach()[base:base + hi - lo]
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.fqn}, shape={tuple(self.shape)}, {self.status.value})"
+
+
+class ShardedUnit:
+    """The flat storage of one gather unit on one rank (ZeRO, Rajbhandari et al. 2020, §5.3).
+
+    name: the unit's module name ("" for the root unit). params: (parameter, fqn, aliases) in flat
+    order; their current `.data` must hold the full values (rank 0's after `initialize`'s broadcast).
+    shard: nn.Parameter [shard_numel] fp32, this rank's slice; `shard.grad` is the reduced, averaged
+    gradient slice, accumulated over micro-steps. full: [padded] buffer, 0 bytes while SHARDED.
+    pins: holders (GatheredParameters, external parameters, generation) that keep it gathered.
+    """
+
+    def __init__(self, index: int, name: str, params: list[tuple[nn.Parameter, str, tuple[str, ...]]], *,
+                 rank: int, world: int):
+        self.index, self.name, self.rank, self.world = index, name, rank, world
+        self.params = [ShardedParam(p, fqn, aliases, self, i) for i, (p, fqn, aliases) in enumerate(params)]
+        self.layout = flat_layout([sp.numel for sp in self.params], world)
+        ref = params[0][0] if params else torch.empty(0)
+        if any(p.dtype != ref.dtype or p.device != ref.device for p, _, _ in params):
+            raise TypeError(f"gather unit {name or '<root>'}: all parameters must share one dtype and device")
+        self.full = torch.zeros(self.layout.padded, dtype=ref.dtype, device=ref.device)
+        self.placeholder = torch.empty(0, dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for sp in self.params:
+                sp.view = self.full[sp.offset:sp.offset + sp.numel].view(sp.shape)
+                sp.view.copy_(sp.param.data)
+            start, end = self.layout.rank_range(rank)
+            self.shard = nn.Parameter(self.full[start:end].clone())
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.status = ParamStatus.GATHERED
+        self.pins = 0
+        self.handle: CommHandle | None = None
+        self.release()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _to(self, new: ParamStatus) -> None:
+        if _ALLOWED[self.status] is not new:
+            raise RuntimeError(f"ZeRO-3 unit {self.name or '<root>'}: illegal transition {self.status.value} -> "
+                               f"{new.value} (allowed: {self.status.value} -> {_ALLOWED[self.status].value})")
+        self.status = new
+
+    def start_gather(self, group: dist.ProcessGroup | None, logger: CommsLogger | None) -> None:
+        """SHARDED -> GATHERING: allocate the full buffer and start its all-gather."""
+        self._to(ParamStatus.GATHERING)
+        self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
+        if self.layout.padded:
+            self.handle = start_all_gather(self.full, self.shard.detach(), group=group, logger=logger)
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gather and point every parameter at its view."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self._to(ParamStatus.GATHERED)
+        for sp in self.params:
+            sp.param.data = sp.view
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED: parameters get 0-element placeholders; the full buffer's storage is freed."""
+        self._to(ParamStatus.SHARDED)
+        for sp in self.params:
+            sp.param.data = self.placeholder
+        self.full.untyped_storage().resize_(0)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def start_reduce(self, group: dist.ProcessGroup | None, logger: CommsLogger | None,
+                     predivide: float) -> tuple[CommHandle, torch.Tensor, torch.Tensor]:
+        """Flatten the full gradients (None counts as zeros), drop them from the parameters and start
+        the reduce-scatter. Returns (handle, output [shard_numel], flat input [padded])."""
+        parts = []
+        for sp in self.params:
+            g = sp.param.grad
+            parts.append(g.reshape(-1) if g is not None else
+                         torch.zeros(sp.numel, dtype=self.shard.dtype, device=self.shard.device))
+            sp.param.grad = None
+        if self.layout.padding:
+            parts.append(torch.zeros(self.layout.padding, dtype=self.shard.dtype, device=self.shard.device))
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=self.shard.dtype)
+        if predivide != 1.0:
+            flat.div_(predivide)
+        out = torch.empty_like(self.shard, requires_grad=False)
+        return start_reduce_scatter(out, flat, group=group, logger=logger), out, flat
+
+    def accumulate(self, reduced: torch.Tensor, post: float) -> None:
+        """shard.grad += reduced / post (post = world size for averaging)."""
+        if post != 1.0:
+            reduced.div_(post)
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.shard.grad.add_(reduced)
+
+    # -- whole-unit helpers -------------------------------------------------------------------
+    def write_back(self) -> None:
+        """Copy this rank's slice of the (gathered, possibly edited) full buffer into the shard."""
+        if self.status is not ParamStatus.GATHERED:
+            raise RuntimeError(f"unit {self.name or '<root>'} is {self.status.value}, not gathered")
+        with torch.no_grad():
+            for sp in self.params:  # a user may have re-bound p.data instead of editing in place
+                if sp.param.data.data_ptr() != sp.view.data_ptr() and sp.param.shape == sp.shape:
+                    sp.view.copy_(sp.param.data)
+                    sp.param.data = sp.view
+            start, end = self.layout.rank_range(self.rank)
+            self.shard.detach().copy_(self.full[start:end])
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.params)
+
+    def gathered_bytes(self) -> int:
+        """Bytes the full buffer holds right now (0 while SHARDED)."""
+        return self.full.untyped_storage().nbytes()
+
+    def __repr__(self) -> str:
+        return (f"ShardedUnit({self.name or '<root>'}, {len(self.params)} params, {self.layout.total} elements, "
+                f"shard {self.layout.shard_numel}, {self.status.value})")
