@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.utils.kwargs import check_kwargs
+
 __all__ = ["build_optimizer", "TORCH_OPTIMIZERS"]
 
 #: The torch optimizers a config is expected to name; any other ``torch.optim`` class also works.
@@ -136,19 +138,7 @@ def build_optimizer(
             "'max_grad_norm' is not an optimizer parameter; set the top-level config key "
             "'gradient_clipping' instead (DeepSpeed rejects it too)"
         )
-    accepted = [
-        name
-        for name, p in inspect.signature(cls.__init__).parameters.items()
-        if name not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    for key in kwargs:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.0)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"unknown parameter {key!r} for torch.optim.{cls.__name__}.{hint} "
-                f"Valid parameters: {', '.join(accepted)}"
-            )
+    check_kwargs(cls.__init__, kwargs, skip=("self", "params"), owner=f"torch.optim.{cls.__name__}")
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
 

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from zerospeed.utils.kwargs import check_kwargs, required_params
 from torch.optim import Optimizer
 
 __all__ = [
@@ -382,25 +384,9 @@ def build_scheduler(optimizer: Any, type_name: str, params: Mapping[str, Any] | 
             f"torch.optim.lr_scheduler class ({', '.join(_torch_scheduler_names())})"
         )
 
-    signature = inspect.signature(cls.__init__)
-    accepted = [
-        name
-        for name, p in signature.parameters.items()
-        if name not in ("self", "optimizer") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    for key in params:
-        if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.0)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"unknown parameter {key!r} for scheduler {type_name}.{hint} "
-                f"Valid parameters: {', '.join(accepted)}"
-            )
-    missing = [
-        name
-        for name in accepted
-        if signature.parameters[name].default is inspect.Parameter.empty and name not in params
-    ]
+    skip = ("self", "optimizer")
+    signature = check_kwargs(cls.__init__, params, skip=skip, owner=f"scheduler {type_name}")
+    missing = [name for name in required_params(signature, skip=skip) if name not in params]
     if missing:
         raise ValueError(f"scheduler {type_name} needs parameter(s) {', '.join(missing)} in its params")
     return cls(optimizer, **params)
