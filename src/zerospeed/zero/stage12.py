@@ -16,8 +16,9 @@ Gradients: chunks are reduce-scattered in reverse order as backward fills them
 - Stage 2 keeps only the partition gradient ([K, S], Ψ/N elements). A gradient is copied into a
   zeroed scratch buffer of its chunk (L elements) and `.grad` is freed; the scratch is reduce-
   scattered in place and its shard added into the partition gradient. At most two chunks are in
-  flight; scratch buffers are reused within a backward and freed when it ends. Every micro-step
-  reduces (`reduce_every_micro_step`), as DeepSpeed's stage 2 does.
+  flight, so scratch peaks at about four chunks (two in flight, the one filling, and the next one
+  when a parameter straddles the boundary); it is reused within a backward and freed when it
+  ends. Every micro-step reduces (`reduce_every_micro_step`), as DeepSpeed's stage 2 does.
 Communication per step and rank: reduce-scatter input Ψ (stage 2: Ψ per micro-step) + all-gather
 output Ψ elements, i.e. 2Ψ, as for an all-reduce (§7).
 """
@@ -155,7 +156,9 @@ class Stage2Grads(_ChunkReducer):
 
     def _launch(self, slot):
         super()._launch(slot)
-        while len(self._inflight) > MAX_CHUNKS_IN_FLIGHT:
+        # free scratch early: finish reductions that are done, and block once too many are in flight
+        while self._inflight and (len(self._inflight) > MAX_CHUNKS_IN_FLIGHT
+                                  or self._inflight[0][1].work.is_completed()):
             self._complete_oldest()
 
     def _flush_grads(self):

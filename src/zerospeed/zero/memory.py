@@ -1,0 +1,57 @@
+"""Model-state memory per rank for ZeRO stages 0-3: the formulas of ZeRO, Rajbhandari et al. 2020, §3.1 and
+§5 (Figure 1), for comparing against what `engine.memory_breakdown()` measures.
+
+Model states per parameter, Adam (bytes):
+
+| precision | params | grads | optimizer states | master weights | total |
+| --------- | ------ | ----- | ---------------- | -------------- | ----- |
+| mixed     | 2      | 2     | 8 (momentum, variance, fp32) | 4 (fp32) | 16 |
+| fp32      | 4      | 4     | 8                | 0 (the parameters are the master) | 16 |
+
+Stage 1 partitions optimizer states and master weights over the N data-parallel ranks, stage 2
+also the gradients, stage 3 also the parameters. Mixed precision gives the paper's numbers:
+16Ψ (stage 0), 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; its 7.5B-parameter, 64-rank example is
+120 -> 31.4 -> 16.6 -> 1.9 GB (1 GB = 1e9 bytes). Activations, buffers and fragmentation are
+not model states and are not counted.
+"""
+from __future__ import annotations
+
+import math
+
+# bytes per parameter for each model state, by precision
+BYTES_PER_PARAM = {
+    "mixed": {"params": 2, "grads": 2, "optimizer_states": 8, "master_weights": 4},
+    "fp32": {"params": 4, "grads": 4, "optimizer_states": 8, "master_weights": 0},
+}
+# the states each stage partitions (Pos, Pos+g, Pos+g+p)
+PARTITIONED = {0: (), 1: ("optimizer_states", "master_weights"),
+               2: ("optimizer_states", "master_weights", "grads"),
+               3: ("optimizer_states", "master_weights", "grads", "params")}
+STATES = ("params", "grads", "optimizer_states", "master_weights")
+
+
+def estimate_model_states_memory(num_params: float, stage: int, dp_world_size: int,
+                                 precision: str = "mixed") -> dict[str, int]:
+    """Bytes of model states one rank holds under ZeRO `stage`, with Adam.
+
+    num_params: Ψ, the trainable parameter count (elements; a float such as 7.5e9 is accepted and
+    rounded). dp_world_size: N, the data-parallel ranks. precision: "mixed" (fp16/bf16 compute with
+    fp32 master weights) or "fp32". A partitioned state holds ceil(Ψ / N) elements per rank.
+    Returns {"params", "grads", "optimizer_states", "master_weights", "total"} in bytes per rank.
+    Raises ValueError for Ψ < 0, N < 1, a stage outside 0-3 or an unknown precision.
+    Source: ZeRO, Rajbhandari et al. 2020, §5 and Figure 1.
+    """
+    if precision not in BYTES_PER_PARAM:
+        raise ValueError(f"precision must be one of {sorted(BYTES_PER_PARAM)}, got {precision!r}")
+    if stage not in PARTITIONED:
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dp_world_size < 1:
+        raise ValueError(f"dp_world_size must be >= 1, got {dp_world_size}")
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    psi = int(round(num_params))
+    shard = math.ceil(psi / dp_world_size)
+    out = {state: BYTES_PER_PARAM[precision][state] * (shard if state in PARTITIONED[stage] else psi)
+           for state in STATES}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,74 @@
+"""ZeRO model-state memory formulas (`zero/memory.py`) and the `zerospeed estimate` CLI."""
+import pytest
+
+from zerospeed.cli import main as cli_main
+from zerospeed.zero.estimate_cli import parse_count
+from zerospeed.zero.memory import estimate_model_states_memory
+
+
+def test_paper_example_7_5b_on_64_ranks():
+    """ZeRO, Rajbhandari et al. 2020, Figure 1: 120 -> 31.4 -> 16.6 -> 1.9 GB per rank."""
+    gb = [estimate_model_states_memory(7.5e9, s, 64)["total"] / 1e9 for s in range(4)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 64])
+def test_mixed_precision_formulas(n):
+    psi = 1_000_000 * n  # divisible, so Ψ/N is exact
+    total = {s: estimate_model_states_memory(psi, s, n)["total"] for s in range(4)}
+    assert total == {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}
+
+
+def test_fp32_breakdown():
+    psi, n = 4000, 4
+    assert estimate_model_states_memory(psi, 0, n, "fp32") == {
+        "params": 4 * psi, "grads": 4 * psi, "optimizer_states": 8 * psi, "master_weights": 0, "total": 16 * psi}
+    s1 = estimate_model_states_memory(psi, 1, n, "fp32")
+    assert (s1["params"], s1["grads"], s1["optimizer_states"]) == (4 * psi, 4 * psi, 8 * psi // n)
+    s2 = estimate_model_states_memory(psi, 2, n, "fp32")
+    assert (s2["params"], s2["grads"], s2["optimizer_states"]) == (4 * psi, 4 * psi // n, 8 * psi // n)
+    s3 = estimate_model_states_memory(psi, 3, n, "fp32")
+    assert s3["total"] == 16 * psi // n
+
+
+def test_uneven_split_rounds_up_per_rank():
+    assert estimate_model_states_memory(53, 3, 4, "fp32")["params"] == 4 * 14
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_params=1, stage=4, dp_world_size=2), "stage"),
+    (dict(num_params=1, stage=1, dp_world_size=0), "dp_world_size"),
+    (dict(num_params=-1, stage=1, dp_world_size=2), "num_params"),
+    (dict(num_params=1, stage=1, dp_world_size=2, precision="bf16"), "precision"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_model_states_memory(**kwargs)
+
+
+def test_cli_all_stages(capsys):
+    assert cli_main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert [r[-1] for r in rows] == ["120.00", "31.41", "16.64", "1.88"]
+    assert "mixed precision" in out and "GB = 1e9 bytes" in out
+
+
+def test_cli_one_stage_fp32(capsys):
+    assert cli_main(["estimate", "--params", "7.5B", "--stage", "3", "--dp", "64", "--precision", "fp32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [["3", "0.47", "0.47", "0.94", "0.00", "1.88"]]
+
+
+def test_cli_rejects_bad_input(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["estimate", "--params", "lots", "--dp", "2"])
+    assert exc.value.code == 2 and "not a parameter count" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["estimate", "--params", "1e9", "--dp", "0"])
+
+
+@pytest.mark.parametrize("text, value", [("7.5e9", 7.5e9), ("7.5B", 7.5e9), ("350M", 3.5e8), ("12k", 12e3), ("10", 10)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
