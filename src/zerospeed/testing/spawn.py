@@ -39,7 +39,8 @@ def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "zerospeed"])
+        # torch._dynamo: the first optimizer or checkpoint call imports it (about 4 s per rank otherwise)
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerospeed"])
     return _CTX
 
 
