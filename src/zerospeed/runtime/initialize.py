@@ -64,6 +64,12 @@ def _optimizer_builder(cfg: ZeroSpeedConfig, optimizer):
                 own = [p for g in client.param_groups for p in g["params"]]
                 if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
                     return client
+                group_opts = [{k: v for k, v in g.items() if k != "params"} for g in client.param_groups]
+                if len(group_opts) > 1 or group_opts[0] != client.defaults:
+                    raise NotImplementedError(
+                        f"the client optimizer has {len(group_opts)} param group(s) with their own settings; "
+                        "partitioned ZeRO stages rebuild it from its defaults, which would drop them. Use one "
+                        "param group, or pass a callable optimizer=lambda params: ... instead")
                 return type(client)(params, **client.defaults)
             return rebuild
         if callable(optimizer):
@@ -85,7 +91,7 @@ def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
     return build_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.kwargs())
 
 
-IMPLEMENTED_STAGES = {0, 1, 2}
+IMPLEMENTED_STAGES = {0, 1, 2, 3}
 
 
 def _check_supported(cfg: ZeroSpeedConfig) -> None:
@@ -144,6 +150,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt)
     _check_supported(cfg)
+    if cfg.zero_optimization.stage < 3:
+        from ..zero.stage3_init import partitioned_parameters
+
+        if partitioned := partitioned_parameters(model):
+            raise ConfigError(f"the model was built under zerospeed.zero.Init() (e.g. {partitioned[0]!r} is "
+                              f"partitioned) but zero_optimization.stage={cfg.zero_optimization.stage}; "
+                              "use stage 3, or build the model without zero.Init()")
 
     init_distributed(dist_init_required=dist_init_required)
     group = None  # data-parallel group: the whole world until other parallel dimensions exist

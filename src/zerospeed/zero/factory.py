@@ -37,5 +37,11 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
                                allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
                                reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
                                average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor, logger=logger)
+    if stage == 3:
+        from .stage3 import Stage3Strategy
+
+        return Stage3Strategy.from_config(module, make_optimizer, group=group, zero_cfg=zero_cfg,
+                                          average=gradient_allreduce_op == "mean",
+                                          predivide_factor=predivide_factor, logger=logger)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                               "zerospeed; use stage 0 (data parallelism) for now")

@@ -104,12 +104,13 @@ class ShardedParam:
     `layout` gives its offset. `status` is the unit's (one all-gather serves the whole unit).
     """
 
-    def __init__(self, param: nn.Parameter, fqn: str, aliases: tuple[str, ...], unit: ShardedUnit, index: int):
+    def __init__(self, param: nn.Parameter, fqn: str, aliases: tuple[str, ...], unit: ShardedUnit, index: int,
+                 shape: torch.Size):
         self.param = param
         self.fqn = fqn
         self.aliases = aliases
-        self.shape = param.shape
-        self.numel = param.numel()
+        self.shape = shape
+        self.numel = shape.numel()
         self.unit = unit
         self.index = index
         self.view: torch.Tensor | None = None  # [shape] view into unit.full, valid while GATHERED
@@ -141,12 +142,18 @@ class ShardedUnit:
     shard: nn.Parameter [shard_numel] fp32, this rank's slice; `shard.grad` is the reduced, averaged
     gradient slice, accumulated over micro-steps. full: [padded] buffer, 0 bytes while SHARDED.
     pins: holders (GatheredParameters, external parameters, generation) that keep it gathered.
+    shape_of / full_value: a parameter's full shape and full value (default `p.shape`, `p.data`;
+    `zerospeed.zero.Init` passes its own for parameters it partitioned: the values are then
+    all-gathered one parameter at a time, so only this unit is ever full).
     """
 
     def __init__(self, index: int, name: str, params: list[tuple[nn.Parameter, str, tuple[str, ...]]], *,
-                 rank: int, world: int):
+                 rank: int, world: int, shape_of=None, full_value=None):
         self.index, self.name, self.rank, self.world = index, name, rank, world
-        self.params = [ShardedParam(p, fqn, aliases, self, i) for i, (p, fqn, aliases) in enumerate(params)]
+        shape_of = shape_of or (lambda p: p.shape)
+        full_value = full_value or (lambda p: p.data)
+        self.params = [ShardedParam(p, fqn, aliases, self, i, shape_of(p))
+                       for i, (p, fqn, aliases) in enumerate(params)]
         self.layout = flat_layout([sp.numel for sp in self.params], world)
         ref = params[0][0] if params else torch.empty(0)
         if any(p.dtype != ref.dtype or p.device != ref.device for p, _, _ in params):
@@ -156,7 +163,7 @@ class ShardedUnit:
         with torch.no_grad():
             for sp in self.params:
                 sp.view = self.full[sp.offset:sp.offset + sp.numel].view(sp.shape)
-                sp.view.copy_(sp.param.data)
+                sp.view.copy_(full_value(sp.param))
             start, end = self.layout.rank_range(rank)
             self.shard = nn.Parameter(self.full[start:end].clone())
         self.shard.grad = torch.zeros_like(self.shard)
@@ -223,16 +230,21 @@ class ShardedUnit:
         self.shard.grad.add_(reduced)
 
     # -- whole-unit helpers -------------------------------------------------------------------
-    def write_back(self) -> None:
-        """Copy this rank's slice of the (gathered, possibly edited) full buffer into the shard."""
+    def sync_rebound(self) -> None:
+        """If a user re-bound `p.data` (instead of editing in place), copy it into the full buffer."""
         if self.status is not ParamStatus.GATHERED:
             raise RuntimeError(f"unit {self.name or '<root>'} is {self.status.value}, not gathered")
         with torch.no_grad():
-            for sp in self.params:  # a user may have re-bound p.data instead of editing in place
+            for sp in self.params:
                 if sp.param.data.data_ptr() != sp.view.data_ptr() and sp.param.shape == sp.shape:
                     sp.view.copy_(sp.param.data)
                     sp.param.data = sp.view
-            start, end = self.layout.rank_range(self.rank)
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the (gathered, possibly edited) full buffer into the shard."""
+        self.sync_rebound()
+        start, end = self.layout.rank_range(self.rank)
+        with torch.no_grad():
             self.shard.detach().copy_(self.full[start:end])
 
     @property

@@ -86,13 +86,15 @@ def _owner(param_name: str, units: list[str]) -> str:
 
 
 def plan_units(model: nn.Module, *, persistence_threshold: int = 0, leaf_classes=(), leaf_names=(),
-               leaf_name_suffixes=()) -> list[UnitPlan]:
+               leaf_name_suffixes=(), numel_of=None) -> list[UnitPlan]:
     """The gather units of `model`: the root unit first (possibly with no parameters), then the blocks
     in module order; blocks left without parameters are dropped.
 
-    persistence_threshold: parameters with fewer elements join the root unit. Raises ValueError if
-    persistence_threshold < 0.
+    persistence_threshold: parameters with fewer elements join the root unit. numel_of: element count
+    of a parameter (default `p.numel()`; `zerospeed.zero.Init` passes the full size of a partitioned
+    parameter). Raises ValueError if persistence_threshold < 0.
     """
+    numel_of = numel_of or (lambda p: p.numel())
     if persistence_threshold < 0:
         raise ValueError(f"persistence_threshold must be >= 0 elements, got {persistence_threshold}")
     units = find_unit_modules(model, leaf_classes=leaf_classes, leaf_names=leaf_names,
@@ -106,7 +108,7 @@ def plan_units(model: nn.Module, *, persistence_threshold: int = 0, leaf_classes
     members: dict[str, list[int]] = {u: [] for u in [ROOT, *units]}
     for key, ns in names.items():  # dict order = first appearance = named_parameters() order
         owners = {_owner(n, units) for n in ns}
-        small = params[key].numel() < persistence_threshold
+        small = numel_of(params[key]) < persistence_threshold
         members[ROOT if len(owners) > 1 or small else owners.pop()].append(key)
     plans = []
     for u in [ROOT, *units]:
@@ -114,7 +116,7 @@ def plan_units(model: nn.Module, *, persistence_threshold: int = 0, leaf_classes
         if u != ROOT and not keys:
             continue
         plans.append(UnitPlan(u, tuple(names[k][0] for k in keys), tuple(tuple(names[k]) for k in keys),
-                              tuple(params[k].numel() for k in keys)))
+                              tuple(numel_of(params[k]) for k in keys)))
     return plans
 
 

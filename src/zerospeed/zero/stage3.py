@@ -1,0 +1,202 @@
+"""ZeRO stage 3, fp32: parameters, gradients and optimizer states partitioned over the dp ranks.
+
+ZeRO, Rajbhandari et al. 2020, §5.3 (P_os+g+p). Each rank keeps 1/N of every gather unit
+(`stage3_units.py` chooses them: one per transformer block plus a root unit) as a flat fp32 shard
+(`stage3_params.py`); the optimizer updates only those shards, so after `optimizer.step()` nothing
+needs gathering: the next forward gathers. `stage3_schedule.py` gathers, releases, prefetches and
+reduce-scatters units from module and autograd hooks; `stage3_state_dict.py` keeps state dicts full.
+
+At rest (between steps) a rank holds its shards (4Ψ/N bytes), their gradients (4Ψ/N) and Adam's two
+moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit. Per step, with
+`stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and 1 + blocks reduce-scatters, about 3Ψ
+elements (§7.2.2): the root is gathered once and held through backward, each block twice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.logger import CommsLogger
+from ..comm.ops import all_reduce, start_all_gather
+from . import stage3_context as ctx
+from . import stage3_init as init
+from .data_parallel import ReducePhase
+from .stage3_params import ParamStatus, ShardedParam, ShardedUnit
+from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
+from .stage3_state_dict import StateDictHooks
+from .stage3_units import plan_units
+from .strategy import ZeroStrategy, _optimizer_state_bytes
+
+__all__ = ["Stage3Strategy", "ParameterNotGatheredError"]
+
+
+class Stage3Strategy(ZeroStrategy):
+    """ZeRO-3 over `module` (fp32). Build with `from_config` (the factory does).
+
+    make_optimizer: builds the optimizer over the list of flat shards (one nn.Parameter
+    [shard_numel] per unit, `.grad` = the averaged gradient slice). group: the data-parallel group.
+    persistence_threshold / leaf_*: unit selection (`plan_units`). prefetch_bucket_size,
+    max_live_parameters, max_reuse_distance: elements (`GatherScheduler`). average: divide summed
+    gradients by the group size. predivide_factor: divide before the sum, by world/factor after.
+    sanity_checks: check every forward for not-gathered parameters (else until one forward passed).
+    Raises TypeError if a unit mixes dtypes or devices.
+    """
+
+    stage = 3
+    reduce_every_micro_step = True  # gradients are reduce-scattered at every backward
+
+    def __init__(self, module: nn.Module, make_optimizer, *, group: dist.ProcessGroup | None,
+                 prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
+                 max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
+                 leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
+                 predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False):
+        self.module, self.group, self.logger = module, group, logger
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.plans = plan_units(module, persistence_threshold=persistence_threshold, leaf_classes=leaf_classes,
+                                leaf_names=leaf_names, leaf_name_suffixes=leaf_name_suffixes,
+                                numel_of=lambda p: init.shape_of(p).numel())
+        named = dict(module.named_parameters())
+        self.units: list[ShardedUnit] = [
+            ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
+                        rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=init.full_value)
+            for i, plan in enumerate(self.plans)]
+        self._frozen = [p for p in module.parameters() if not p.requires_grad]
+        for p in self._frozen:  # frozen parameters stay whole on every rank (Init may have partitioned them)
+            if init.init_shard(p) is not None:
+                p.data = init.full_value(p).clone()
+        shards = [u.shard for u in self.units if u.layout.padded]
+        self.optimizer = make_optimizer(shards) if make_optimizer is not None else None
+        self._phase = ReducePhase.IDLE
+        self.scheduler = GatherScheduler(
+            module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
+            max_live=max_live_parameters, max_reuse=max_reuse_distance,
+            post=(self.world / predivide_factor) if average else (1.0 / predivide_factor),
+            predivide=predivide_factor, sanity_checks=sanity_checks)
+        self._state_dict_hooks = StateDictHooks(self)
+        self.scheduler.on_forward_start = self._state_dict_hooks.reset
+        ctx.register_strategy(self)
+        for m in module.modules():
+            for p in ctx.external_parameters(m):
+                self.add_external(m, p)
+
+    @classmethod
+    def from_config(cls, module: nn.Module, make_optimizer, *, group, zero_cfg, average: bool = True,
+                    predivide_factor: float = 1.0, logger: CommsLogger | None = None) -> Stage3Strategy:
+        """Build from the validated `zero_optimization` section (its stage-3 knobs and `leaf_module`)."""
+        leaf = zero_cfg.leaf_module
+        return cls(module, make_optimizer, group=group, prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
+                   max_live_parameters=int(zero_cfg.max_live_parameters),
+                   max_reuse_distance=int(zero_cfg.max_reuse_distance),
+                   persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
+                   leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
+                   predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks)
+
+    # -- lookups and the context API (stage3_context.py calls these) ----------------------------
+    def managed(self, param: torch.Tensor) -> ShardedParam | None:
+        """The ShardedParam of `param` if this strategy manages it, else None."""
+        return self.scheduler.managed.get(id(param)) if self.units else None
+
+    def managed_parameters(self) -> list[nn.Parameter]:
+        return [sp.param for u in self.units for sp in u.params]
+
+    def full_bytes(self) -> int:
+        """Bytes of every unit's full (padded) buffer: what gathering everything costs per rank."""
+        return sum(u.layout.padded * u.shard.element_size() for u in self.units)
+
+    def add_external(self, module: nn.Module, param: nn.Parameter) -> bool:
+        return self.scheduler.add_external(module, param)
+
+    def remove_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        self.scheduler.remove_external(module, param)
+
+    def pin(self, units: list[ShardedUnit]) -> list[bool]:
+        return self.scheduler.pin(units)
+
+    def unpin(self, units: list[ShardedUnit], was_sharded: list[bool], *, modifier_rank: int | None) -> None:
+        self.scheduler.unpin(units, was_sharded, modifier_rank=modifier_rank)
+
+    # -- ZeroStrategy ---------------------------------------------------------------------------
+    @property
+    def phase(self) -> ReducePhase:
+        return self._phase
+
+    def arm(self) -> None:
+        if self._phase is ReducePhase.ARMED:
+            raise RuntimeError("Stage3Strategy.arm() called twice without finish()")
+        self._phase = ReducePhase.ARMED
+
+    def finish(self) -> None:
+        """Gradients are reduced during backward; flush what a backward did not (e.g. no backward ran)."""
+        if self._phase is not ReducePhase.ARMED:
+            raise RuntimeError("Stage3Strategy.finish() without arm()")
+        self.scheduler.flush()
+        self._phase = ReducePhase.FINISHED
+
+    def disarm(self) -> None:
+        self._phase = ReducePhase.IDLE
+
+    def clip_and_norm(self, max_norm: float) -> float:
+        """Global 2-norm of the gradient over all ranks' shards (= the unsharded norm: shards are
+        disjoint and the padding is zero); scale gradients by max_norm / (norm + 1e-6) if that is
+        < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element all-reduce."""
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
+        sq = torch.zeros(1, dtype=torch.float64)
+        if grads:
+            sq += torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        all_reduce(sq, group=self.group, logger=self.logger)
+        norm = sq.sqrt().to(torch.float32).squeeze(0)
+        if max_norm > 0 and grads:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return float(norm)
+
+    def optimizer_step(self) -> None:
+        """Step the optimizer on the shards; units still gathered (pinned) are re-gathered, others released."""
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        for u in self.units:
+            if u.status is ParamStatus.GATHERING:
+                u.finish_gather()
+            if u.status is ParamStatus.GATHERED and u.pins:
+                start_all_gather(u.full, u.shard.detach(), group=self.group, logger=self.logger).wait()
+            elif u.status is ParamStatus.GATHERED:
+                u.release()
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            if u.shard.grad is not None:
+                u.shard.grad.zero_()
+            for sp in u.params:
+                sp.param.grad = None
+
+    # -- accounting and teardown ----------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds now. params: shards + gathered full buffers + frozen parameters;
+        grads: shard gradients + full gradients not yet reduced; at rest ≈ 4Ψ/N + 4Ψ/N (+ padding),
+        plus Adam's 8Ψ/N in optimizer_states (ZeRO, Rajbhandari et al. 2020, §5.3)."""
+        params = sum(u.shard.numel() * u.shard.element_size() + u.gathered_bytes() for u in self.units)
+        params += sum(p.numel() * p.element_size() for p in self._frozen)
+        grads = sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units if u.shard.grad is not None)
+        grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
+                     if sp.param.grad is not None)
+        return {"params": params, "grads": grads, "optimizer_states": _optimizer_state_bytes(self.optimizer),
+                "master_weights": 0}
+
+    def consolidated_state_dict(self, *, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The model's full state dict (fp32 clones), gathered one unit at a time. Collective.
+        rank: only that rank keeps the tensors (others get {}); None: every rank does."""
+        return self._state_dict_hooks.consolidated(rank=rank)
+
+    def remove(self) -> None:
+        """Remove every hook and give each parameter its full value back (a plain module again). Collective."""
+        self.scheduler.remove()
+        self._state_dict_hooks.remove()
+        ctx.unregister_strategy(self)
+        for u in self.units:
+            self.scheduler.gather(u)
+            for sp in u.params:
+                sp.param.data = sp.view.clone()
+                sp.param.grad = None
+            u.full.untyped_storage().resize_(0)
+        self.units = []

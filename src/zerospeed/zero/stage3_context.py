@@ -1,0 +1,154 @@
+"""User-facing ZeRO-3 contexts: `GatheredParameters`, `register_external_parameter`, `unwrap_for_generation`.
+
+DeepSpeed's names and signatures (`deepspeed.zero.GatheredParameters`, `register_external_parameter`,
+`unwrap_model_for_generation`); the semantics follow ZeRO, Rajbhandari et al. 2020, §5.3. Every call
+here that gathers or re-partitions is a *collective*: call it on every data-parallel rank, in the
+same order. Parameters not managed by a live ZeRO-3 strategy (stages 0-2, frozen parameters,
+another model) pass through untouched, so the same user code runs at every stage.
+
+Registries (module-level, weak): the live stage-3 strategies, and the external parameters users
+register, possibly before the engine exists (DeepSpeed users call `register_external_parameter` in
+`__init__`). They key on modules and hold no attributes on any `nn.Parameter`.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from . import stage3_init as init
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # live Stage3Strategy objects
+_EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
+
+
+def register_strategy(strategy) -> None:
+    """Called by a Stage3Strategy when it starts managing a model (internal)."""
+    _LIVE.add(strategy)
+
+
+def unregister_strategy(strategy) -> None:
+    _LIVE.discard(strategy)
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as used by `module`'s forward (possibly empty)."""
+    return list(_EXTERNAL.get(module, ()))
+
+
+def _find(param: torch.Tensor):
+    for s in list(_LIVE):
+        sp = s.managed(param)
+        if sp is not None:
+            return s, sp
+    return None, None
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `param` although `param` belongs to another module.
+
+    Under ZeRO-3 the unit holding `param` is then gathered whenever `module`'s forward starts and kept
+    until the end of that iteration's backward (or of a no-grad forward). May be called before or
+    after `zerospeed.initialize`. Raises TypeError for a non-module / non-parameter argument.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(param, nn.Parameter):
+        raise TypeError(f"register_external_parameter: param must be an nn.Parameter, got {type(param).__name__}")
+    params = _EXTERNAL.setdefault(module, [])
+    if not any(p is param for p in params):
+        params.append(param)
+    for s in list(_LIVE):
+        s.add_external(module, param)
+
+
+def unregister_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Undo `register_external_parameter(module, param)` (no error if it was not registered)."""
+    params = _EXTERNAL.get(module)
+    if params is not None:
+        params[:] = [p for p in params if p is not param]
+    for s in list(_LIVE):
+        s.remove_external(module, param)
+
+
+class GatheredParameters:
+    """Temporarily full parameters under ZeRO-3: `with GatheredParameters(params, modifier_rank=0): ...`.
+
+    params: a parameter or an iterable of parameters (DeepSpeed silently ignores a non-iterable; we
+    accept a single tensor). On entry every gather unit holding one of them is all-gathered (whole
+    units: a unit is one collective) and pinned, so `p.data` has its full shape [*p.shape].
+    modifier_rank: None -> edits made inside are discarded on exit (the shards are untouched);
+    r -> on exit rank r's full values of those units are broadcast and every rank re-partitions them
+    into its shard (so edits made on rank r, e.g. loading weights, take effect everywhere).
+    fwd_module: accepted for DeepSpeed compatibility (the units stay gathered for the whole context
+    anyway). enabled=False: a no-op. Nesting is allowed. Collective on entry and exit. Units that
+    were already gathered on entry (inside a forward, say) stay gathered on exit.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params) if enabled and params is not None else []
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self._taken: list = []  # (strategy, units, was_sharded)
+        self._init_taken: list = []
+
+    def __enter__(self) -> GatheredParameters:
+        by_strategy: dict = {}
+        for p in self.params:
+            s, sp = _find(p)
+            if s is not None:
+                by_strategy.setdefault(s, {})[sp.unit.index] = sp.unit
+        for s, units in by_strategy.items():
+            ordered = [units[i] for i in sorted(units)]
+            self._taken.append((s, ordered, s.pin(ordered)))
+        self._init_taken = init.gather(self.params)  # partitioned by zerospeed.zero.Init, no engine yet
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        modifier = self.modifier_rank if exc_type is None else None  # no collective on a failing rank
+        init.release(self._init_taken, modifier)
+        for s, units, was_sharded in reversed(self._taken):
+            s.unpin(units, was_sharded, modifier_rank=modifier)
+        self._taken, self._init_taken = [], []
+
+
+def _strategy_of(engine_or_module):
+    strategy = getattr(engine_or_module, "strategy", None)
+    if strategy is not None and getattr(strategy, "stage", None) == 3:
+        return strategy
+    module = getattr(engine_or_module, "module", engine_or_module)
+    for p in module.parameters():
+        s, _ = _find(p)
+        if s is not None:
+            return s
+    return None
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(engine_or_module, *, max_bytes: int | None = None) -> Iterator[nn.Module]:
+    """Gather the whole model once for generation / evaluation; yields the plain module.
+
+    Autoregressive sampling runs one forward per token; under ZeRO-3 each would all-gather every
+    unit (DeepSpeed issue #4354; TRL's fix gathers once, ~10x faster). Inside this context every unit
+    is gathered and pinned, so forwards issue no collectives. max_bytes: refuse (ValueError, before
+    any collective) if the full model would take more than this many bytes per rank. Collective.
+    Works for any stage (a no-op below stage 3). Accepts the engine or the module it wraps.
+    """
+    module = getattr(engine_or_module, "module", engine_or_module)
+    strategy = _strategy_of(engine_or_module)
+    if strategy is None:
+        yield module
+        return
+    need = strategy.full_bytes()
+    if max_bytes is not None and need > max_bytes:
+        raise ValueError(f"unwrap_for_generation: the full model needs {need} bytes per rank, more than "
+                         f"max_bytes={max_bytes}; generate without it (one all-gather per unit and forward)")
+    with GatheredParameters(strategy.managed_parameters()):
+        yield module
+
