@@ -113,6 +113,12 @@ def test_config_errors_come_before_any_process_group():
 
 
 def test_unimplemented_features_say_so():
-    with pytest.raises(NotImplementedError, match="fp16"):
-        zerospeed.initialize(model=tiny_gpt(), config={"train_batch_size": 8, "fp16": {"enabled": True}})
+    with pytest.raises(NotImplementedError, match="offload_optimizer.device='cpu'"):
+        zerospeed.initialize(model=tiny_gpt(), config={"train_batch_size": 8, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(NotImplementedError, match="bf16_master_weights_and_grads"):
+        zerospeed.initialize(model=tiny_gpt(), config={"train_batch_size": 8, "zero_optimization": {"stage": 1},
+                                                       "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    with pytest.raises(NotImplementedError, match="mpu"):
+        zerospeed.initialize(model=tiny_gpt(), mpu=object(), config={"train_batch_size": 8})
     assert not dist.is_initialized()

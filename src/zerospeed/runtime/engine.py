@@ -1,14 +1,17 @@
 """The training engine: orders forward, backward, reduction and the optimizer step.
 
 It owns no algorithm: gradient reduction lives in the ZeRO strategy (`zero/`), the update in the
-torch optimizer, the LR in the scheduler. What it adds is DeepSpeed's contract
-(`DeepSpeedEngine`): `backward` divides the loss by the gradient accumulation steps, `step`
-acts only at the accumulation boundary, counters and accessors have DeepSpeed's names.
+torch optimizer, the LR in the scheduler, the loss scale in the loss scaler (`precision/`). What it
+adds is DeepSpeed's contract (`DeepSpeedEngine`): `backward` divides the loss by the gradient
+accumulation steps and multiplies it by the fp16 loss scale, `step` acts only at the accumulation
+boundary and skips the update on every rank when the gradients overflowed (fp16, and bf16 with
+`check_grad_overflow`), counters and accessors have DeepSpeed's names.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 
 import torch
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
+from ..precision import LossScaler, MixedPrecisionPolicy, SkipLog
 from ..zero.data_parallel import ReducePhase
 from ..zero.strategy import ZeroStrategy
 from .telemetry import Telemetry
@@ -27,9 +31,11 @@ class ZeroSpeedEngine(nn.Module):
     """Wraps `module` for data-parallel training; built by `zerospeed.initialize`.
 
     Use: `loss = engine(batch)`, `engine.backward(loss)`, `engine.step()` every micro-batch.
-    Attributes: module, optimizer, lr_scheduler, global_steps (optimizer steps taken),
+    Attributes: module, optimizer, lr_scheduler, global_steps (optimizer steps attempted, skipped
+    ones included, as DeepSpeed counts), skipped_steps (steps skipped on gradient overflow),
     global_samples (samples consumed by those steps, all ranks), micro_steps, device,
-    dp_world_size, global_rank, local_rank.
+    dp_world_size, global_rank, local_rank, policy (MixedPrecisionPolicy), loss_scaler
+    (its `state_dict()` belongs in checkpoints).
     """
 
     def __init__(self, *, module: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler,
@@ -37,7 +43,8 @@ class ZeroSpeedEngine(nn.Module):
                  train_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int,
                  gradient_clipping: float, zero_stage: int, steps_per_print: int,
                  comms_logger: CommsLogger | None, telemetry: Telemetry, training_dataloader=None,
-                 local_rank: int = 0):
+                 local_rank: int = 0, policy: MixedPrecisionPolicy | None = None,
+                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, auto_cast: bool = False):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -48,6 +55,10 @@ class ZeroSpeedEngine(nn.Module):
         self.comms_logger = comms_logger
         self.telemetry = telemetry
         self.training_dataloader = training_dataloader
+        self.policy = policy or MixedPrecisionPolicy()
+        self.loss_scaler = loss_scaler or LossScaler(1.0)
+        self._check_overflow = check_overflow  # skip steps whose gradients hold inf/nan
+        self._auto_cast = auto_cast  # fp16.auto_cast: floating-point inputs are cast to fp16
         self._train_batch_size = train_batch_size
         self._micro_batch_size = micro_batch_size
         self._gas = gradient_accumulation_steps
@@ -66,10 +77,13 @@ class ZeroSpeedEngine(nn.Module):
         self._in_no_sync = False
         self._step_applied = False
         self._last_print = time.perf_counter()
+        self._skip_log = SkipLog(rank=self.global_rank)
 
     # -- forward / backward / step ----------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.telemetry.forward_begin(args, self.global_steps)
+        if self._auto_cast:
+            args, kwargs = _cast_floating((args, kwargs), self.policy.param_dtype)
         try:
             return self.module(*args, **kwargs)
         finally:
@@ -80,9 +94,10 @@ class ZeroSpeedEngine(nn.Module):
         return (self.micro_steps + 1) % self._gas == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Back-propagate `loss` / gradient_accumulation_steps; at the boundary, all-reduce gradients
-        in buckets while backward runs. Returns the scaled loss. Raises ValueError for a non-scalar
-        loss without a gradient."""
+        """Back-propagate `loss` / gradient_accumulation_steps, times the fp16 loss scale; at the
+        boundary, reduce gradients in buckets while backward runs. Returns the loss divided by the
+        accumulation steps (not multiplied by the loss scale), as DeepSpeed. Raises ValueError for a
+        non-scalar loss without a gradient."""
         self.telemetry.record_loss(loss)
         if scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
@@ -92,7 +107,7 @@ class ZeroSpeedEngine(nn.Module):
         timers = self.telemetry.timers
         timers.start("bwd_inner")
         try:
-            loss.backward(retain_graph=retain_graph)
+            self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
         except BaseException:
             if reduce:
                 self.strategy.disarm()
@@ -105,10 +120,19 @@ class ZeroSpeedEngine(nn.Module):
             timers.stop("bwd_allreduce")
         return loss
 
-    def step(self, lr_kwargs: dict | None = None) -> None:
-        """Count a micro-batch; at the boundary clip, step the optimizer and the LR scheduler, zero grads.
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the current fp16 loss scale (unchanged in bf16 / fp32), for users who call
+        `engine.scale(loss).backward()` themselves (DeepSpeed's `engine.scale`); no accumulation division."""
+        return self.loss_scaler.scale(loss)
 
-        Raises RuntimeError inside `no_sync()` (DeepSpeed does the same).
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro-batch; at the boundary unscale, clip, step the optimizer and the LR
+        scheduler, zero grads. If the gradients overflowed (fp16, or bf16 with check_grad_overflow)
+        every rank skips the optimizer and the LR scheduler (DeepSpeed's `_take_model_step`),
+        `skipped_steps` grows, and the fp16 loss scale is updated.
+
+        Raises RuntimeError inside `no_sync()` (DeepSpeed does the same); LossScaleAtMinimumError
+        when the fp16 scale cannot go lower (naming the first parameters with inf/nan gradients).
         """
         if self._in_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the context before stepping, "
@@ -120,12 +144,20 @@ class ZeroSpeedEngine(nn.Module):
                 # gradients came from a plain loss.backward(): reduce them now, all at once
                 self.strategy.arm()
                 self.strategy.finish()
-            self._global_grad_norm = self.strategy.clip_and_norm(self._clip)
-            if self.optimizer is not None:
+            scale = self.loss_scaler.loss_scale
+            self._global_grad_norm = self.strategy.clip_and_norm(self._clip, loss_scale=scale)
+            # the norm was all-reduced: every rank takes the same decision
+            overflow = self._check_overflow and not math.isfinite(self._global_grad_norm)
+            self.loss_scaler.update_scale(overflow, nonfinite_names=self.strategy.nonfinite_grad_names)
+            if overflow:
+                self.skipped_steps += 1
+                self._skip_log.skipped(step=self.global_steps, total_skipped=self.skipped_steps, old_scale=scale,
+                                       new_scale=self.loss_scaler.loss_scale, fp16=self.fp16_enabled())
+            elif self.optimizer is not None:
                 self.strategy.optimizer_step()
                 self._step_applied = True
             self.zero_grad()
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and not overflow:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self._train_batch_size
@@ -179,16 +211,44 @@ class ZeroSpeedEngine(nn.Module):
         return self._global_grad_norm
 
     def was_step_applied(self) -> bool:
+        """True if the last `step()` updated the parameters (False off the boundary and on overflow)."""
         return self._step_applied
 
     def get_data_parallel_rank(self) -> int:
         return dist.get_rank(self.group)
 
     def fp16_enabled(self) -> bool:
-        return False
+        return self.policy.param_dtype == torch.float16
 
     def bfloat16_enabled(self) -> bool:
-        return False
+        return self.policy.param_dtype == torch.bfloat16
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (fp16; 1.0 in bf16 and fp32)."""
+        return self.loss_scaler.loss_scale
+
+    # -- checkpoints: runtime/checkpoint.py (format: checkpoint_format.py) -------------------------
+    checkpoint_tag_validation = "Warn"  # the config's checkpoint.tag_validation (set by initialize)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective sharded save to `save_dir/<tag>` (default `global_step<N>`), then `save_dir/latest`."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Collective load at any world size / stage -> (load_path, client_state); (None, None) without `latest`."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py)."""
+        from .consolidate import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Remove hooks and release gradient buckets; the process group is left to the caller."""
@@ -196,7 +256,8 @@ class ZeroSpeedEngine(nn.Module):
         self.telemetry.close()
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of model states this rank holds: params, grads, optimizer_states, master_weights."""
+        """Bytes of model states this rank holds: params, grads, optimizer_states, master_weights
+        (the fp32 masters under bf16/fp16, counted apart from the 2-byte params)."""
         return self.strategy.memory_breakdown()
 
     def _maybe_print(self) -> None:
@@ -204,5 +265,18 @@ class ZeroSpeedEngine(nn.Module):
             now = time.perf_counter()
             rate = self._steps_per_print * self._train_batch_size / max(now - self._last_print, 1e-9)
             self._last_print = now
-            log.info("step=%d, skipped=%d, lr=%s, grad_norm=%.4g, samples/s=%.1f", self.global_steps,
-                     self.skipped_steps, self.get_lr(), self._global_grad_norm or 0.0, rate)
+            scale = f", loss_scale={self.loss_scale:g}" if self.fp16_enabled() else ""
+            log.info("step=%d, skipped=%d, lr=%s, grad_norm=%.4g%s, samples/s=%.1f", self.global_steps,
+                     self.skipped_steps, self.get_lr(), self._global_grad_norm or 0.0, scale, rate)
+
+
+def _cast_floating(obj, dtype: torch.dtype):
+    """Cast every floating-point tensor inside (nested tuples / lists / dicts) to `dtype`."""
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_cast_floating(o, dtype) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj

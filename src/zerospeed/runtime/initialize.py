@@ -1,8 +1,9 @@
 """`zerospeed.initialize`: validate the config, start the process group, build and wire the parts.
 
 Order (DESIGN.md, "The data path"): config (validated before any process group or tensor) ->
-process group -> model placement and broadcast -> optimizer -> LR scheduler -> ZeRO strategy ->
-engine. Each builder receives only its own section of the config.
+process group -> model placement and broadcast -> mixed-precision cast -> ZeRO strategy (and the
+optimizer over its fp32 masters) -> LR scheduler -> loss scaler -> engine. Each builder receives
+only its own section of the config.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..optim import build_optimizer, build_scheduler
+from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..zero.factory import build_strategy
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
@@ -99,10 +101,30 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
     if stage not in IMPLEMENTED_STAGES:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                                   f"zerospeed (implemented: {sorted(IMPLEMENTED_STAGES)})")
-    if cfg.fp16.enabled or cfg.bf16.enabled:
-        which = "fp16" if cfg.fp16.enabled else "bf16"
-        raise NotImplementedError(f"{which}.enabled=true: mixed precision is not implemented yet in this version "
-                                  "of zerospeed; train in fp32 for now")
+    zero = cfg.zero_optimization
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key)
+        if section is not None and section.device != "none":
+            raise NotImplementedError(f"zero_optimization.{key}.device={section.device!r}: offload is not implemented "
+                                      "yet in this version of zerospeed; remove the section (or set device to "
+                                      '"none") to train with everything in accelerator memory')
+    for section, flag in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
+                          ("bf16", "bf16_optimizer_states")):
+        if getattr(getattr(cfg, section), flag):
+            raise NotImplementedError(f"{section}.{flag}=true is not implemented yet in this version of zerospeed: "
+                                      "master weights, gradients and optimizer states are kept in fp32; remove the key")
+    if cfg.torch_autocast.enabled:
+        raise NotImplementedError("torch_autocast.enabled=true is not implemented yet in this version of zerospeed; "
+                                  'use "bf16": {"enabled": true} (the model is cast, fp32 master weights are kept)')
+    accum = cfg.data_types.grad_accum_dtype
+    ours = cfg.precision if cfg.precision != "fp32" and stage == 1 else "fp32"
+    if accum is not None and accum != ours:
+        raise NotImplementedError(f"data_types.grad_accum_dtype={accum!r} is not supported with {cfg.precision} at "
+                                  f"ZeRO stage {stage}: zerospeed accumulates gradients in {ours} there (stage 1 "
+                                  "in the parameter dtype, the other stages in fp32); remove the key")
+    if cfg.data_types.param_dtype not in (None, cfg.precision):
+        raise NotImplementedError(f"data_types.param_dtype={cfg.data_types.param_dtype!r} differs from the precision "
+                                  f"the fp16/bf16 sections select ({cfg.precision}); set it through fp16/bf16 instead")
 
 
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
@@ -168,6 +190,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     with torch.no_grad():  # every rank starts from rank 0's weights, as DeepSpeed does
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast(t.data, 0, group=group)
+    policy = MixedPrecisionPolicy.from_precision(cfg.precision, cfg.communication_data_type)
+    # bf16/fp16: cast the model; the strategy builds its fp32 masters from the original values
+    original_values = policy.cast_module(model)
 
     if model_parameters is not None:
         given = list(model_parameters)
@@ -182,7 +207,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               make_optimizer=_optimizer_builder(cfg, optimizer), group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
-                              logger=logger)
+                              logger=logger, policy=policy, master_values=original_values)
+    del original_values  # the originals live on only where a strategy adopted them as masters
     opt = strategy.optimizer
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
@@ -196,7 +222,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,
         zero_stage=cfg.zero_optimization.stage, steps_per_print=cfg.effective_steps_per_print,
-        comms_logger=logger, telemetry=telemetry, training_dataloader=loader, local_rank=env.local_rank)
+        comms_logger=logger, telemetry=telemetry, training_dataloader=loader, local_rank=env.local_rank,
+        policy=policy, loss_scaler=build_loss_scaler(cfg.fp16),
+        check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
+        auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
+    engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

@@ -145,9 +145,8 @@ class Telemetry:
             events.append(("Train/Samples/grad_norm", engine.get_global_grad_norm(), x))
         if tokens:
             events.append(("Train/Samples/tokens_per_sec", tokens * engine.dp_world_size / max(step["total"], 1e-9), x))
-        scale = getattr(engine, "loss_scale", None)
-        if scale is not None:
-            events.append(("Train/Samples/loss_scale", float(scale), x))
+        if engine.fp16_enabled():  # DeepSpeed writes the loss scale only under fp16
+            events.append(("Train/Samples/loss_scale", float(engine.loss_scale), x))
         if self.wall_clock_breakdown:
             events += [(f"Train/Samples/elapsed_time_ms_{k}", v * 1e3, x) for k, v in step.items()]
         self.monitor.write_events(events)

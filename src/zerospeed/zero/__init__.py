@@ -1,6 +1,6 @@
 """ZeRO: partitioned data parallelism (Rajbhandari et al. 2020).
 
-Stages 1 and 2 live in stage12.py, stage 3 in stage3*.py; `build_strategy` (factory.py) picks one.
+Stages 1 and 2 live in stage12*.py, stage 3 in stage3*.py; `build_strategy` (factory.py) picks one.
 """
 from .memory import estimate_model_states_memory
 from .stage3 import ParameterNotGatheredError, Stage3Strategy

@@ -8,7 +8,7 @@ order, so every rank issues the same collectives in the same order. `finish()` f
 whose parameters got no gradient, waits for all of them and averages.
 
 `OrderedBucketHooks` (hooks + in-order launch) and `GradViews` (`.grad` as views) are shared with
-the ZeRO stage 1-2 reduce-scatter (`stage12.py`).
+the ZeRO stage 1-2 reduce-scatter (`stage12_grads.py`).
 """
 from __future__ import annotations
 
@@ -107,23 +107,38 @@ class OrderedBucketHooks:
 
 class GradViews:
     """Keeps each parameter's `.grad` a view into flat gradient storage (DDP's `gradient_as_bucket_view`),
-    so autograd accumulates in place. views[i] has parameter i's shape."""
+    so autograd accumulates in place. views[i] has parameter i's shape.
+
+    When the storage has another dtype than the parameters (mixed precision: bf16/fp16 parameters,
+    fp32 gradient buckets) `.grad` cannot be a view; instead every gradient autograd produces is
+    added into its fp32 view and `.grad` is freed (`accumulate` mode), so micro-steps accumulate in
+    fp32 and a low-precision gradient lives only from its AccumulateGrad to its hook."""
 
     def __init__(self, params: list[torch.nn.Parameter], views: list[torch.Tensor]):
         self.params = params
         self.views = views
+        self.accumulate = any(p.dtype != v.dtype for p, v in zip(params, views))
 
     def store(self, index: int, p: torch.Tensor) -> None:
-        """In a post-accumulate-grad hook: move a fresh `.grad` (grads were None) into its view."""
+        """In a post-accumulate-grad hook: move a fresh `.grad` (grads were None) into its view
+        (accumulate mode: add it and free `.grad`)."""
         view = self.views[index]
-        if p.grad.data_ptr() != view.data_ptr():
+        if self.accumulate:
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
 
     def attach(self) -> None:
-        """Point every `.grad` at its view, copying a gradient the user assigned."""
+        """Point every `.grad` at its view, copying a gradient the user assigned (accumulate mode:
+        add a pending `.grad` into its view and free it)."""
         for p, v in zip(self.params, self.views):
-            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+            if self.accumulate:
+                if p.grad is not None:
+                    v.add_(p.grad)
+                    p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != v.data_ptr():
                 if p.grad is not None:
                     v.copy_(p.grad)
                 p.grad = v
@@ -136,29 +151,36 @@ class GradientAllReducer(OrderedBucketHooks):
     (`reduce_bucket_size`). average: divide by the group size after the sum (`gradient_allreduce_op:
     mean`). predivide_factor: divide by this before the sum and by world/factor after
     (`gradient_predivide_factor`, DeepSpeed semantics) to limit overflow in low precision.
-    reduce_dtype: dtype the buckets hold (the gradient dtype).
+    grad_dtype: dtype the buckets hold and gradients accumulate in (default: the parameters'; fp32
+    under mixed precision, see `GradViews`). reduce_dtype: dtype of the all-reduce (default
+    grad_dtype); if it differs, each bucket is cast to a temporary for the collective and back.
+    `grad_views[i]`: parameter i's gradient, a view into its bucket.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
-                 logger: CommsLogger | None = None):
+                 logger: CommsLogger | None = None, grad_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = params
         self.group = group
         self.world = dist.get_world_size(group)
         self.average = average
         self.predivide = predivide_factor
         self.logger = logger
+        if len({p.dtype for p in params}) > 1:
+            raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
+                            f"got {sorted(str(d) for d in {p.dtype for p in params})}")
+        self.grad_dtype = grad_dtype or (params[0].dtype if params else torch.float32)
+        self.reduce_dtype = reduce_dtype or self.grad_dtype
         self.plan: BucketPlan = plan_buckets([p.numel() for p in params], bucket_size)
-        self.buffers = [torch.zeros(n, dtype=params[0].dtype if params else torch.float32,
-                                    device=params[0].device if params else None) for n in self.plan.sizes]
+        self.buffers = [torch.zeros(n, dtype=self.grad_dtype, device=params[0].device if params else None)
+                        for n in self.plan.sizes]
         views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for s in self.plan.slots:
-            p = params[s.index]
-            if p.dtype != self.buffers[s.bucket].dtype:
-                raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
-                                f"got {p.dtype} and {self.buffers[s.bucket].dtype}")
-            views[s.index] = self.buffers[s.bucket][s.offset:s.offset + s.numel].view_as(p)
+            views[s.index] = self.buffers[s.bucket][s.offset:s.offset + s.numel].view_as(params[s.index])
+        self.grad_views = views
         self._grads = GradViews(params, views)
+        self._sends: list[torch.Tensor] = []
         buckets_of = [[] for _ in params]
         for s in self.plan.slots:
             buckets_of[s.index].append(s.bucket)
@@ -182,15 +204,18 @@ class GradientAllReducer(OrderedBucketHooks):
         """Reduce during the coming backward (call at the gradient accumulation boundary)."""
         super().arm()
         self._handles = []
+        self._sends = []
 
     def _store_grad(self, index: int, p: torch.Tensor) -> None:
         self._grads.store(index, p)
 
     def _launch(self, slot: int) -> None:
         buf = self.buffers[slot]
+        send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         if self.predivide != 1.0:
-            buf.div_(self.predivide)
-        self._handles.append(start_all_reduce(buf, group=self.group, logger=self.logger))
+            send.div_(self.predivide)
+        self._sends.append(send)
+        self._handles.append(start_all_reduce(send, group=self.group, logger=self.logger))
 
     def finish(self) -> None:
         """Start any bucket not yet started (unused parameters), wait for all, average."""
@@ -199,10 +224,13 @@ class GradientAllReducer(OrderedBucketHooks):
         self.attach_grads()
         self.launch_remaining()
         post = (self.world / self.predivide) if self.average else (1.0 / self.predivide)
-        for h, buf in zip(self._handles, self.buffers):
+        for h, send, buf in zip(self._handles, self._sends, self.buffers):
             h.wait()
+            if send is not buf:
+                buf.copy_(send)
             if post != 1.0:
                 buf.div_(post)
+        self._sends = []
         self.phase = ReducePhase.FINISHED
 
     def remove(self) -> None:

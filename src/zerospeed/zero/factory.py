@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
+from ..precision import MixedPrecisionPolicy
 from .strategy import DataParallelStrategy, ZeroStrategy
 
 # Builds the optimizer over whatever tensors the strategy hands it (full parameters for stage 0,
@@ -17,18 +18,26 @@ OptimizerBuilder = Callable[[list], torch.optim.Optimizer] | None
 
 def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBuilder,
                    group: dist.ProcessGroup | None, zero_cfg, gradient_allreduce_op: str = "mean",
-                   predivide_factor: float = 1.0, logger: CommsLogger | None = None) -> ZeroStrategy:
+                   predivide_factor: float = 1.0, logger: CommsLogger | None = None,
+                   policy: MixedPrecisionPolicy | None = None,
+                   master_values: dict[int, torch.Tensor] | None = None) -> ZeroStrategy:
     """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
 
     zero_cfg: the validated `zero_optimization` section (bucket sizes in elements, stage-3 knobs).
+    policy: the mixed-precision policy (default fp32); the module must already be cast to
+    `policy.param_dtype`. master_values: {id(param): original fp32 value} from
+    `MixedPrecisionPolicy.cast_module`, so the fp32 masters lose nothing at init.
     Raises NotImplementedError for a stage this version does not implement.
     """
+    policy = policy or MixedPrecisionPolicy()
     params = [p for p in module.parameters() if p.requires_grad]
     if stage == 0:
-        opt = make_optimizer(params) if make_optimizer is not None else None
-        return DataParallelStrategy(params, opt, group=group, bucket_size=int(zero_cfg.reduce_bucket_size),
+        names = {id(p): n for n, p in module.named_parameters()}
+        return DataParallelStrategy(params, make_optimizer, group=group,
+                                    bucket_size=int(zero_cfg.reduce_bucket_size),
                                     average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
-                                    logger=logger)
+                                    logger=logger, policy=policy, names=[names[id(p)] for p in params],
+                                    master_values=master_values)
     if stage in (1, 2):
         from .stage12 import Stage12Strategy
 
@@ -36,12 +45,14 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
                                reduce_bucket_size=int(zero_cfg.reduce_bucket_size),
                                allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
                                reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
-                               average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor, logger=logger)
+                               average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
+                               logger=logger, policy=policy, master_values=master_values)
     if stage == 3:
         from .stage3 import Stage3Strategy
 
         return Stage3Strategy.from_config(module, make_optimizer, group=group, zero_cfg=zero_cfg,
                                           average=gradient_allreduce_op == "mean",
-                                          predivide_factor=predivide_factor, logger=logger)
+                                          predivide_factor=predivide_factor, logger=logger, policy=policy,
+                                          master_values=master_values)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                               "zerospeed; use stage 0 (data parallelism) for now")

@@ -13,6 +13,11 @@ also the gradients, stage 3 also the parameters. Mixed precision gives the paper
 16Ψ (stage 0), 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; its 7.5B-parameter, 64-rank example is
 120 -> 31.4 -> 16.6 -> 1.9 GB (1 GB = 1e9 bytes). Activations, buffers and fragmentation are
 not model states and are not counted.
+
+What zerospeed itself holds under bf16/fp16 (`engine.memory_breakdown()`) differs from the paper's
+2-byte gradients where it accumulates gradients in fp32: stage 0 keeps fp32 gradient buckets (4Ψ),
+stages 2 and 3 an fp32 gradient partition (4Ψ/N); stage 1 matches the paper (2Ψ at rest, plus a
+transient fp32 partition gradient during the step).
 """
 from __future__ import annotations
 

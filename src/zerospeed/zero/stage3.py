@@ -1,4 +1,4 @@
-"""ZeRO stage 3, fp32: parameters, gradients and optimizer states partitioned over the dp ranks.
+"""ZeRO stage 3: parameters, gradients and optimizer states partitioned over the dp ranks.
 
 ZeRO, Rajbhandari et al. 2020, §5.3 (P_os+g+p). Each rank keeps 1/N of every gather unit
 (`stage3_units.py` chooses them: one per transformer block plus a root unit) as a flat fp32 shard
@@ -6,8 +6,13 @@ ZeRO, Rajbhandari et al. 2020, §5.3 (P_os+g+p). Each rank keeps 1/N of every ga
 needs gathering: the next forward gathers. `stage3_schedule.py` gathers, releases, prefetches and
 reduce-scatters units from module and autograd hooks; `stage3_state_dict.py` keeps state dicts full.
 
-At rest (between steps) a rank holds its shards (4Ψ/N bytes), their gradients (4Ψ/N) and Adam's two
-moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit. Per step, with
+At rest (between steps) a rank holds, in fp32, its shards (4Ψ/N bytes), their gradients (4Ψ/N) and
+Adam's two moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit. Under bf16/fp16 (a
+`MixedPrecisionPolicy`) each unit's `shard` is the fp32 master and `lp_shard` its 2-byte copy that
+the next forward all-gathers; gradients are reduce-scattered in the reduce dtype and accumulated in
+fp32: 2Ψ/N (params) + 4Ψ/N (fp32 grads) + 8Ψ/N (Adam) + 4Ψ/N (master) = 18Ψ/N, against the paper's
+16Ψ/N, which keeps 2-byte gradient partitions (so does DeepSpeed by default, converting to fp32 per
+step; we accumulate micro-steps in fp32 instead). Per step, with
 `stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and 1 + blocks reduce-scatters, about 3Ψ
 elements (§7.2.2): the root is gathered once and held through backward, each block twice.
 """
@@ -19,6 +24,7 @@ from torch import nn
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import all_reduce, start_all_gather
+from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
 from . import stage3_init as init
 from .data_parallel import ReducePhase
@@ -40,6 +46,9 @@ class Stage3Strategy(ZeroStrategy):
     max_live_parameters, max_reuse_distance: elements (`GatherScheduler`). average: divide summed
     gradients by the group size. predivide_factor: divide before the sum, by world/factor after.
     sanity_checks: check every forward for not-gathered parameters (else until one forward passed).
+    policy: the mixed-precision policy (the module already cast to its param_dtype). master_values:
+    {id(param): original fp32 value} (parameters partitioned by zero.Init bring their own fp32 values).
+    `master_params`: the units' shards the optimizer updates (fp32 masters).
     Raises TypeError if a unit mixes dtypes or devices.
     """
 
@@ -50,8 +59,14 @@ class Stage3Strategy(ZeroStrategy):
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
-                 predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False):
+                 predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
+                 policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None):
         self.module, self.group, self.logger = module, group, logger
+        self.policy = policy = policy or MixedPrecisionPolicy()
+        values = master_values or {}
+
+        def full_value(p):  # zero.Init slices (fp32) first, then the pre-cast original, then the data
+            return values[id(p)] if id(p) in values and init.init_shard(p) is None else init.full_value(p)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.plans = plan_units(module, persistence_threshold=persistence_threshold, leaf_classes=leaf_classes,
                                 leaf_names=leaf_names, leaf_name_suffixes=leaf_name_suffixes,
@@ -59,14 +74,16 @@ class Stage3Strategy(ZeroStrategy):
         named = dict(module.named_parameters())
         self.units: list[ShardedUnit] = [
             ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
-                        rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=init.full_value)
+                        rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=full_value,
+                        master_dtype=policy.master_dtype if policy.mixed else None,
+                        reduce_dtype=policy.reduce_dtype)
             for i, plan in enumerate(self.plans)]
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
         for p in self._frozen:  # frozen parameters stay whole on every rank (Init may have partitioned them)
             if init.init_shard(p) is not None:
-                p.data = init.full_value(p).clone()
-        shards = [u.shard for u in self.units if u.layout.padded]
-        self.optimizer = make_optimizer(shards) if make_optimizer is not None else None
+                p.data = init.full_value(p).to(p.dtype, copy=True)
+        self.master_params = [u.shard for u in self.units if u.layout.padded]
+        self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
         self._phase = ReducePhase.IDLE
         self.scheduler = GatherScheduler(
             module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
@@ -82,7 +99,9 @@ class Stage3Strategy(ZeroStrategy):
 
     @classmethod
     def from_config(cls, module: nn.Module, make_optimizer, *, group, zero_cfg, average: bool = True,
-                    predivide_factor: float = 1.0, logger: CommsLogger | None = None) -> Stage3Strategy:
+                    predivide_factor: float = 1.0, logger: CommsLogger | None = None,
+                    policy: MixedPrecisionPolicy | None = None,
+                    master_values: dict[int, torch.Tensor] | None = None) -> Stage3Strategy:
         """Build from the validated `zero_optimization` section (its stage-3 knobs and `leaf_module`)."""
         leaf = zero_cfg.leaf_module
         return cls(module, make_optimizer, group=group, prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
@@ -90,7 +109,8 @@ class Stage3Strategy(ZeroStrategy):
                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
-                   predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks)
+                   predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
+                   policy=policy, master_values=master_values)
 
     # -- lookups and the context API (stage3_context.py calls these) ----------------------------
     def managed(self, param: torch.Tensor) -> ShardedParam | None:
@@ -102,7 +122,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def full_bytes(self) -> int:
         """Bytes of every unit's full (padded) buffer: what gathering everything costs per rank."""
-        return sum(u.layout.padded * u.shard.element_size() for u in self.units)
+        return sum(u.layout.padded * u.full.element_size() for u in self.units)
 
     def add_external(self, module: nn.Module, param: nn.Parameter) -> bool:
         return self.scheduler.add_external(module, param)
@@ -136,19 +156,38 @@ class Stage3Strategy(ZeroStrategy):
     def disarm(self) -> None:
         self._phase = ReducePhase.IDLE
 
-    def clip_and_norm(self, max_norm: float) -> float:
-        """Global 2-norm of the gradient over all ranks' shards (= the unsharded norm: shards are
-        disjoint and the padding is zero); scale gradients by max_norm / (norm + 1e-6) if that is
-        < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element all-reduce."""
+    def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
+        """Divide the shard gradients by `loss_scale`; global 2-norm of the gradient over all ranks'
+        shards (= the unsharded norm: shards are disjoint and the padding is zero; inf/nan on every
+        rank if any shard overflowed); if it is finite, scale gradients by max_norm / (norm + 1e-6)
+        if that is < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element
+        all-reduce."""
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
+        if loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
         sq = torch.zeros(1, dtype=torch.float64)
         if grads:
             sq += torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
         all_reduce(sq, group=self.group, logger=self.logger)
         norm = sq.sqrt().to(torch.float32).squeeze(0)
-        if max_norm > 0 and grads:
+        if max_norm > 0 and grads and bool(torch.isfinite(norm)):
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return float(norm)
+
+    def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
+        """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""
+        local = []
+        for u in self.units:
+            g = u.shard.grad
+            if g is None or bool(torch.isfinite(g).all()):
+                continue
+            start = u.layout.rank_range(self.rank)[0]
+            for sp in u.params:
+                lo, hi = u.layout.param_shard_range(sp.index, self.rank)
+                part = g[sp.offset + lo - start:sp.offset + hi - start]
+                if hi > lo and not bool(torch.isfinite(part).all()):
+                    local.append(((u.index, sp.index), sp.fqn))
+        return first_nonfinite(local, group=self.group, limit=limit)
 
     def optimizer_step(self) -> None:
         """Step the optimizer on the shards; units still gathered (pinned) are re-gathered, others released."""
@@ -156,10 +195,11 @@ class Stage3Strategy(ZeroStrategy):
             return
         self.optimizer.step()
         for u in self.units:
+            u.sync_after_step()  # mixed precision: round the fp32 master into the gathered shard
             if u.status is ParamStatus.GATHERING:
                 u.finish_gather()
             if u.status is ParamStatus.GATHERED and u.pins:
-                start_all_gather(u.full, u.shard.detach(), group=self.group, logger=self.logger).wait()
+                start_all_gather(u.full, u.lp_shard, group=self.group, logger=self.logger).wait()
             elif u.status is ParamStatus.GATHERED:
                 u.release()
 
@@ -172,19 +212,23 @@ class Stage3Strategy(ZeroStrategy):
 
     # -- accounting and teardown ----------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds now. params: shards + gathered full buffers + frozen parameters;
-        grads: shard gradients + full gradients not yet reduced; at rest ≈ 4Ψ/N + 4Ψ/N (+ padding),
-        plus Adam's 8Ψ/N in optimizer_states (ZeRO, Rajbhandari et al. 2020, §5.3)."""
-        params = sum(u.shard.numel() * u.shard.element_size() + u.gathered_bytes() for u in self.units)
+        """Bytes this rank holds now. params: shards in the parameter dtype + gathered full buffers +
+        frozen parameters; grads: shard gradients + full gradients not yet reduced; master_weights:
+        the fp32 shards under mixed precision (0 in fp32, where they are the parameter shards). At
+        rest in fp32 ≈ 4Ψ/N + 4Ψ/N (+ padding), plus Adam's 8Ψ/N in optimizer_states (ZeRO,
+        Rajbhandari et al. 2020, §5.3); under bf16/fp16 2Ψ/N + 4Ψ/N + 8Ψ/N + 4Ψ/N."""
+        params = sum(u.lp_shard.numel() * u.lp_shard.element_size() + u.gathered_bytes() for u in self.units)
         params += sum(p.numel() * p.element_size() for p in self._frozen)
         grads = sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units if u.shard.grad is not None)
         grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
                      if sp.param.grad is not None)
+        masters = sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.has_master)
         return {"params": params, "grads": grads, "optimizer_states": _optimizer_state_bytes(self.optimizer),
-                "master_weights": 0}
+                "master_weights": masters}
 
     def consolidated_state_dict(self, *, rank: int | None = None) -> dict[str, torch.Tensor]:
-        """The model's full state dict (fp32 clones), gathered one unit at a time. Collective.
+        """The model's full state dict (clones in the parameter dtype: bf16/fp16 under mixed precision;
+        the fp32 masters are `master_params`), gathered one unit at a time. Collective.
         rank: only that rank keeps the tensors (others get {}); None: every rank does."""
         return self._state_dict_hooks.consolidated(rank=rank)
 

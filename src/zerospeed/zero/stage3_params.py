@@ -124,7 +124,8 @@ class ShardedParam:
         return self.unit.layout.offsets[self.index]
 
     def local_shard(self) -> torch.Tensor:
-        """This rank's part of the parameter, flattened: a 1-D view into `unit.shard` (maybe 0 elements)."""
+        """This rank's part of the parameter, flattened: a 1-D view into `unit.shard` (the fp32 master
+        under mixed precision; maybe 0 elements)."""
         lo, hi = self.unit.layout.param_shard_range(self.index, self.unit.rank)
         start = self.unit.layout.rank_range(self.unit.rank)[0]
         base = self.offset + lo - start
@@ -139,16 +140,24 @@ class ShardedUnit:
 
     name: the unit's module name ("" for the root unit). params: (parameter, fqn, aliases) in flat
     order; their current `.data` must hold the full values (rank 0's after `initialize`'s broadcast).
-    shard: nn.Parameter [shard_numel] fp32, this rank's slice; `shard.grad` is the reduced, averaged
-    gradient slice, accumulated over micro-steps. full: [padded] buffer, 0 bytes while SHARDED.
+    shard: nn.Parameter [shard_numel] fp32, this rank's slice: the *master* the optimizer updates;
+    `shard.grad` (fp32) is the reduced, averaged gradient slice, accumulated over micro-steps.
+    lp_shard: the same slice in the parameter dtype, the all-gather source: `shard.detach()` itself
+    in fp32 training; under bf16/fp16 a separate tensor refreshed from `shard` after each step
+    (`sync_after_step`). full: [padded] buffer in the parameter dtype, 0 bytes while SHARDED.
+    master_dtype: the shard's dtype (default: the parameters'; fp32 under mixed precision).
+    reduce_dtype: dtype of the gradient reduce-scatter (default: the parameters').
     pins: holders (GatheredParameters, external parameters, generation) that keep it gathered.
     shape_of / full_value: a parameter's full shape and full value (default `p.shape`, `p.data`;
     `zerospeed.zero.Init` passes its own for parameters it partitioned: the values are then
-    all-gathered one parameter at a time, so only this unit is ever full).
+    all-gathered one parameter at a time, so only this unit is ever full). Under mixed precision
+    full_value must return the original fp32 values: the master shard is cut from them before the
+    parameter-dtype copy is rounded.
     """
 
     def __init__(self, index: int, name: str, params: list[tuple[nn.Parameter, str, tuple[str, ...]]], *,
-                 rank: int, world: int, shape_of=None, full_value=None):
+                 rank: int, world: int, shape_of=None, full_value=None, master_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.index, self.name, self.rank, self.world = index, name, rank, world
         shape_of = shape_of or (lambda p: p.shape)
         full_value = full_value or (lambda p: p.data)
@@ -160,12 +169,20 @@ class ShardedUnit:
             raise TypeError(f"gather unit {name or '<root>'}: all parameters must share one dtype and device")
         self.full = torch.zeros(self.layout.padded, dtype=ref.dtype, device=ref.device)
         self.placeholder = torch.empty(0, dtype=ref.dtype, device=ref.device)
+        self.master_dtype = master_dtype or ref.dtype
+        self.reduce_dtype = reduce_dtype or ref.dtype
+        start, end = self.layout.rank_range(rank)
+        master = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=ref.device)
         with torch.no_grad():
             for sp in self.params:
+                value = full_value(sp.param)
                 sp.view = self.full[sp.offset:sp.offset + sp.numel].view(sp.shape)
-                sp.view.copy_(full_value(sp.param))
-            start, end = self.layout.rank_range(rank)
-            self.shard = nn.Parameter(self.full[start:end].clone())
+                sp.view.copy_(value)
+                lo, hi = self.layout.param_shard_range(sp.index, rank)
+                if hi > lo:  # cut the master from the value itself, not from its rounded copy
+                    master[sp.offset + lo - start:sp.offset + hi - start].copy_(value.reshape(-1)[lo:hi])
+            self.shard = nn.Parameter(master)
+            self.lp_shard = self.shard.detach() if self.master_dtype == ref.dtype else self.full[start:end].clone()
         self.shard.grad = torch.zeros_like(self.shard)
         self.status = ParamStatus.GATHERED
         self.pins = 0
@@ -184,7 +201,7 @@ class ShardedUnit:
         self._to(ParamStatus.GATHERING)
         self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
         if self.layout.padded:
-            self.handle = start_all_gather(self.full, self.shard.detach(), group=group, logger=logger)
+            self.handle = start_all_gather(self.full, self.lp_shard, group=group, logger=logger)
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather and point every parameter at its view."""
@@ -205,28 +222,32 @@ class ShardedUnit:
     # -- gradients ----------------------------------------------------------------------------
     def start_reduce(self, group: dist.ProcessGroup | None, logger: CommsLogger | None,
                      predivide: float) -> tuple[CommHandle, torch.Tensor, torch.Tensor]:
-        """Flatten the full gradients (None counts as zeros), drop them from the parameters and start
-        the reduce-scatter. Returns (handle, output [shard_numel], flat input [padded])."""
-        parts = []
+        """Flatten the full gradients (None counts as zeros) into `reduce_dtype`, drop them from the
+        parameters and start the reduce-scatter. Returns (handle, output [shard_numel], flat input [padded])."""
+        flat = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.shard.device)
         for sp in self.params:
-            g = sp.param.grad
-            parts.append(g.reshape(-1) if g is not None else
-                         torch.zeros(sp.numel, dtype=self.shard.dtype, device=self.shard.device))
+            g, dst = sp.param.grad, flat[sp.offset:sp.offset + sp.numel]
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.reshape(-1))
             sp.param.grad = None
-        if self.layout.padding:
-            parts.append(torch.zeros(self.layout.padding, dtype=self.shard.dtype, device=self.shard.device))
-        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=self.shard.dtype)
+        flat[self.layout.total:].zero_()
         if predivide != 1.0:
             flat.div_(predivide)
-        out = torch.empty_like(self.shard, requires_grad=False)
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.shard.device)
         return start_reduce_scatter(out, flat, group=group, logger=logger), out, flat
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
-        """shard.grad += reduced / post (post = world size for averaging)."""
-        if post != 1.0:
-            reduced.div_(post)
+        """shard.grad += reduced / post (post = world size for averaging); a bf16/fp16 `reduced` is
+        added into the fp32 accumulator and divided in fp32."""
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
+        if reduced.dtype != self.shard.grad.dtype:
+            self.shard.grad.add_(reduced, alpha=1.0 / post)
+            return
+        if post != 1.0:
+            reduced.div_(post)
         self.shard.grad.add_(reduced)
 
     # -- whole-unit helpers -------------------------------------------------------------------
@@ -241,11 +262,25 @@ class ShardedUnit:
                     sp.param.data = sp.view
 
     def write_back(self) -> None:
-        """Copy this rank's slice of the (gathered, possibly edited) full buffer into the shard."""
+        """Copy this rank's slice of the (gathered, possibly edited) full buffer into the shard (and,
+        under mixed precision, into the fp32 master too: the edit is made in the parameter dtype)."""
         self.sync_rebound()
         start, end = self.layout.rank_range(self.rank)
         with torch.no_grad():
-            self.shard.detach().copy_(self.full[start:end])
+            self.lp_shard.copy_(self.full[start:end])
+            if self.has_master:
+                self.shard.detach().copy_(self.lp_shard)
+
+    @property
+    def has_master(self) -> bool:
+        """True when the fp32 master `shard` is separate from the gathered `lp_shard` (mixed precision)."""
+        return self.lp_shard.data_ptr() != self.shard.data_ptr() or self.lp_shard.dtype != self.shard.dtype
+
+    def sync_after_step(self) -> None:
+        """After the optimizer updated the master `shard`: round it into `lp_shard` (mixed precision)."""
+        if self.has_master:
+            with torch.no_grad():
+                self.lp_shard.copy_(self.shard)
 
     @property
     def requires_grad(self) -> bool:

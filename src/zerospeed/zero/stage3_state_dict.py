@@ -3,7 +3,7 @@
 Under ZeRO-3 a parameter's `.data` is a 0-element placeholder between uses. Hooks on every module
 holding managed parameters make
 
-* `module.state_dict()` (and the engine's) return full fp32 clones: the outermost call gathers one
+* `module.state_dict()` (and the engine's) return full clones (in the parameter dtype): the outermost call gathers one
   unit at a time, clones its parameters into the dict and releases it again. It is therefore a
   *collective* (every rank must call it) unless every unit is already gathered - inside
   `GatheredParameters(...)` / `unwrap_for_generation(...)` a single rank may call it;

@@ -5,10 +5,24 @@ optimizer update for its stage. Per optimizer step the engine calls, in order:
 
     arm()            at the accumulation boundary, before backward: reduce while backward runs
     finish()         after backward: wait for (and average) every reduction
-    clip_and_norm()  global gradient norm over all ranks' partitions; clip if max_norm > 0
-    optimizer_step() update (each rank its own partition for stages >= 1, then all-gather)
+    clip_and_norm()  unscale by the loss scale, global gradient norm over all ranks' partitions
+                     (non-finite = overflow, the same on every rank); clip if max_norm > 0
+    optimizer_step() update the fp32 masters (each rank its own partition for stages >= 1), copy
+                     them into the low-precision parameters, then all-gather (stages 1-2)
+                     -- skipped by the engine when the norm overflowed --
     zero_grad()      clear gradients for the next step
     disarm()         back to accumulating locally
+
+Mixed precision is composed in, not subclassed (DESIGN.md rule 8): every strategy takes a
+`MixedPrecisionPolicy`. Names every strategy shares, for checkpointing and tests:
+
+    strategy.policy          the MixedPrecisionPolicy
+    strategy.master_params   list of the fp32 tensors the optimizer updates, in its param-group
+                             order (stage 0: one per trainable parameter, same order as
+                             `strategy.params`; stages 1-2: one [K, S] partition; stage 3: one flat
+                             shard per gather unit). In fp32 training these *are* (views of) the
+                             parameters; under bf16/fp16 they are separate fp32 tensors built from
+                             the original fp32 values. `optimizer.state` is keyed by them.
 """
 from __future__ import annotations
 
@@ -19,6 +33,7 @@ import torch.distributed as dist
 
 from ..comm.logger import CommsLogger
 from ..optim.clipping import clip_and_norm
+from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
 from .data_parallel import GradientAllReducer, ReducePhase
 
 
@@ -27,6 +42,8 @@ class ZeroStrategy(abc.ABC):
 
     stage: int
     optimizer: torch.optim.Optimizer | None  # over what this rank updates (its partition for stages >= 1)
+    policy: MixedPrecisionPolicy
+    master_params: list[torch.Tensor]  # what the optimizer updates (see the module docstring)
     # reduce at every micro-step's backward, not only at the accumulation boundary (stage 2: gradients
     # are partitioned as they are produced, so they cannot accumulate locally)
     reduce_every_micro_step: bool = False
@@ -45,7 +62,15 @@ class ZeroStrategy(abc.ABC):
     def disarm(self) -> None: ...
 
     @abc.abstractmethod
-    def clip_and_norm(self, max_norm: float) -> float: ...
+    def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
+        """Divide the reduced gradients by `loss_scale`, return their global 2-norm (inf/nan if
+        any rank has a non-finite gradient: the overflow decision) and, if it is finite and
+        max_norm > 0, clip them to it. Collective at stages >= 1."""
+
+    @abc.abstractmethod
+    def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
+        """Names of the first `limit` parameters (in registration order) whose reduced gradient
+        holds inf/nan on any rank. Collective at stages >= 1."""
 
     @abc.abstractmethod
     def optimizer_step(self) -> None: ...
@@ -60,6 +85,36 @@ class ZeroStrategy(abc.ABC):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: {"params", "grads", "optimizer_states", "master_weights"}."""
 
+    # -- checkpoints: what this rank owns of the logical per-parameter state (zero/fragments.py) -----
+    def logical_params(self, module) -> list:
+        """Every trainable parameter of `module` as a `fragments.LogicalParam` (canonical name, aliases,
+        full shape, master dtype), in the same order on every rank. Local."""
+        from . import fragments
+        return fragments.logical_params(self, module)
+
+    def owned_fragments(self, module):
+        """Yield a `fragments.OwnedFragment` (param name, global shape, flat [start, end), 1-D views of
+        the fp32 master and of each same-shape optimizer state, 0-d states on the start == 0 fragment)
+        for everything this rank owns; over all ranks they cover every element exactly once
+        (stage 0 splits the replicated state into N contiguous slices to spread the writing). Local."""
+        from . import fragments
+        return fragments.owned_fragments(self, module)
+
+    def load_owned_fragments(self, module, reader, *, optimizer_states: bool = True) -> None:
+        """Fill the masters this rank holds now (stage 0: all of them) and, if `optimizer_states`, the
+        optimizer states (created if the optimizer has not stepped) from `reader`, any flat range of
+        any logical tensor (`fragments.FragmentReader`). Local: call refresh_params_from_master() next."""
+        from . import fragments
+        fragments.load_owned_fragments(self, module, reader, optimizer_states=optimizer_states)
+
+    def refresh_params_from_master(self) -> None:
+        """After the masters changed outside optimizer_step() (a checkpoint load): make the parameters
+        used for compute equal them on every rank. fp32: stages 1/2 all-gather, stage 3 re-gathers
+        pinned units. Mixed precision must first copy master -> low-precision parameters (override
+        this). Collective at stages >= 1."""
+        from . import fragments
+        fragments.refresh_params(self)
+
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
@@ -68,24 +123,51 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                if torch.is_tensor(v) and v.dim() > 0)
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class DataParallelStrategy(ZeroStrategy):
     """Stage 0: every rank holds everything; gradients are all-reduced in buckets during backward.
 
-    params: trainable parameters. optimizer: over the full parameters (may be None for inference).
-    group: the data-parallel process group. bucket_size: elements (`reduce_bucket_size`).
+    params: trainable parameters (already in `policy.param_dtype`). make_optimizer: callable(list of
+    tensors) -> optimizer, or None (inference). group: the data-parallel process group. bucket_size:
+    elements (`reduce_bucket_size`). policy: the MixedPrecisionPolicy (default fp32). names:
+    parameter names for messages. master_values: {id(param): original fp32 tensor} from
+    `MixedPrecisionPolicy.cast_module` (reused as the masters, so no precision is lost at init).
+
+    fp32: the optimizer updates the parameters; `.grad` are views into the all-reduce buckets.
+    bf16/fp16: `master_params` is a full fp32 copy (4Ψ bytes); gradients accumulate in fp32 buckets
+    (4Ψ; each low-precision `.grad` is added in and freed by its hook), are all-reduced in
+    `policy.reduce_dtype`, and are the masters' `.grad`; after the step the masters are copied into
+    the parameters. Stage 0 therefore holds 2Ψ + 4Ψ + 4Ψ + 8Ψ (Adam) = 18Ψ bytes, against the
+    paper's 16Ψ (2-byte gradients) and DeepSpeed's bf16 optimizer's 20Ψ (2-byte and fp32 gradients).
     """
 
     stage = 0
 
-    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, *,
-                 group: dist.ProcessGroup | None, bucket_size: int, average: bool = True,
-                 predivide_factor: float = 1.0, logger: CommsLogger | None = None):
+    def __init__(self, params: list[torch.nn.Parameter], make_optimizer, *, group: dist.ProcessGroup | None,
+                 bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
+                 logger: CommsLogger | None = None, policy: MixedPrecisionPolicy | None = None,
+                 names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None):
         self.params = params
-        self.optimizer = optimizer
+        self.policy = policy = policy or MixedPrecisionPolicy()
+        self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
-        if params and dist.get_world_size(group) > 1:
+        if params and (dist.get_world_size(group) > 1 or policy.mixed):
             self.reducer = GradientAllReducer(params, group=group, bucket_size=bucket_size, average=average,
-                                              predivide_factor=predivide_factor, logger=logger)
+                                              predivide_factor=predivide_factor, logger=logger,
+                                              grad_dtype=policy.master_dtype if policy.mixed else None,
+                                              reduce_dtype=policy.reduce_dtype)
+        if policy.mixed and self.reducer is not None:
+            values = master_values or {}
+            self.master_params = [values[id(p)].to(policy.master_dtype) if id(p) in values else
+                                  p.detach().to(policy.master_dtype, copy=True) for p in params]
+            for m, view in zip(self.master_params, self.reducer.grad_views):
+                m.grad = view
+        else:
+            self.master_params = params
+        self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
         self._phase = ReducePhase.IDLE
 
     @property
@@ -109,12 +191,24 @@ class DataParallelStrategy(ZeroStrategy):
             self.reducer.disarm()
         self._phase = ReducePhase.IDLE
 
-    def clip_and_norm(self, max_norm: float) -> float:
-        return clip_and_norm(self.params, max_norm)
+    def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
+        """Unscale, norm and clip the (already all-reduced, hence identical on every rank) gradients."""
+        if loss_scale != 1.0:
+            torch._foreach_mul_([m.grad for m in self.master_params if m.grad is not None], 1.0 / loss_scale)
+        return clip_and_norm(self.master_params, max_norm)
+
+    def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
+        local = [(i, n) for i, (m, n) in enumerate(zip(self.master_params, self.names))
+                 if m.grad is not None and is_nonfinite(m.grad)]
+        return first_nonfinite(local, group=None, limit=limit, collective=False)
 
     def optimizer_step(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        if self.policy.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], self.master_params)
 
     def zero_grad(self) -> None:
         if self.reducer is not None:
@@ -127,10 +221,15 @@ class DataParallelStrategy(ZeroStrategy):
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self.policy.mixed:
+            for m in self.master_params:
+                m.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        nbytes = sum(p.numel() * p.element_size() for p in self.params)
-        grads = sum(b.numel() * b.element_size() for b in self.reducer.buffers) if self.reducer else \
-            sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        return {"params": nbytes, "grads": grads, "optimizer_states": _optimizer_state_bytes(self.optimizer),
-                "master_weights": 0}
+        """Bytes: params (Ψ x 2 or 4), grads (the buckets), optimizer_states, master_weights (4Ψ under
+        mixed precision, 0 in fp32 where the parameters are the masters)."""
+        grads = _nbytes(self.reducer.buffers) if self.reducer else \
+            _nbytes(p.grad for p in self.params if p.grad is not None)
+        return {"params": _nbytes(self.params), "grads": grads,
+                "optimizer_states": _optimizer_state_bytes(self.optimizer),
+                "master_weights": _nbytes(self.master_params) if self.policy.mixed else 0}

@@ -1,0 +1,207 @@
+"""Gradient storage and reduce-scatter for ZeRO stages 1 and 2 (used by `stage12.py`).
+
+A `FlatPartition` cuts the flat gradient into K chunks of L elements; each chunk is reduce-scattered
+in reverse order as backward fills it (`OrderedBucketHooks`), rank r receiving its shard (S = L / N
+elements), averaged over N. `partition_grad` ([K, S]) is this rank's averaged gradient, the
+optimizer's `.grad`.
+
+Three dtypes (from the `MixedPrecisionPolicy`): `dtype`, the parameters' (stage 1's full gradient
+buffer, whose views are the parameters' `.grad`); `reduce_dtype`, the collectives'; `grad_dtype`,
+`partition_grad`'s (fp32 under bf16/fp16, else the parameters'). A chunk whose storage is not in
+`reduce_dtype` is cast to a temporary for its collective.
+
+- Stage 1 keeps the full gradient in `dtype` (Ψ elements): autograd accumulates micro-steps into it
+  (in bf16/fp16 under mixed precision, as DeepSpeed's stage 1 does; fp32 accumulation would need a
+  4Ψ buffer), and it is reduce-scattered at the boundary. In fp32 `partition_grad` is a strided view
+  of it (no copy); under mixed precision it is a separate fp32 [K, S] tensor that exists only from
+  the reduction to `zero_grad()` (DeepSpeed also creates the fp32 partition gradient per step).
+- Stage 2 keeps only `partition_grad` (Ψ/N elements, fp32 under mixed precision, persistent: every
+  micro-step's reduced shard is added into it, so accumulation is in fp32). A gradient is copied
+  into a zeroed scratch buffer of its chunk (L elements, in `reduce_dtype`) and `.grad` is freed;
+  the scratch is reduce-scattered in place and its shard added into `partition_grad`. At most
+  `MAX_CHUNKS_IN_FLIGHT` chunks are in flight, so scratch peaks at about four chunks; it is reused
+  within a backward and freed when it ends. Every micro-step reduces, as DeepSpeed's stage 2 does.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm.logger import CommsLogger
+from ..comm.ops import CommHandle, start_reduce_scatter
+from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
+from .partition import FlatPartition
+
+MAX_CHUNKS_IN_FLIGHT = 2  # stage 2: chunks reduced concurrently (each holds an L-element scratch buffer)
+
+
+class _ChunkReducer(OrderedBucketHooks):
+    """Reduce-scatters the gradient chunks of a `FlatPartition` over `group` as backward produces them.
+
+    Subclasses say where a chunk's gradient lives (`_chunk_grad`) and what to do once its reduce-
+    scatter is done (`_complete`). `partition_grad` is this rank's averaged gradient, [K, S].
+    """
+
+    def __init__(self, params, layout: FlatPartition, names, *, group, rank: int, average: bool,
+                 predivide: float, logger: CommsLogger | None, dtype: torch.dtype, device: torch.device,
+                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+        self.params, self.layout, self.group, self.rank, self.logger = params, layout, group, rank, logger
+        self.predivide = predivide
+        self.post = (layout.world_size / predivide) if average else (1.0 / predivide)
+        self.dtype, self.device = dtype, device
+        self.grad_dtype = grad_dtype or dtype
+        self.reduce_dtype = reduce_dtype or dtype
+        self._inflight: list[tuple[int, CommHandle, torch.Tensor]] = []
+        k = layout.num_chunks
+        super().__init__(params, [[k - 1 - c for c in layout.chunks_of(i)] for i in range(len(params))], k, names)
+
+    def _own(self, chunk_grad: torch.Tensor) -> torch.Tensor:
+        s = self.layout.shard_numel
+        return chunk_grad[self.rank * s:(self.rank + 1) * s]
+
+    def _launch(self, slot: int) -> None:
+        chunk = self.layout.num_chunks - 1 - slot
+        buf = self._chunk_grad(chunk)
+        send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+        if self.predivide != 1.0:
+            send.div_(self.predivide)
+        out = self._own(send)
+        self._inflight.append((chunk, start_reduce_scatter(out, send, group=self.group, logger=self.logger), out))
+
+    def _complete_oldest(self) -> None:
+        chunk, handle, out = self._inflight.pop(0)
+        handle.wait()
+        self._complete(chunk, out)
+
+    def finish(self) -> None:
+        """Start the chunks not started yet (parameters without a gradient), wait for all, average.
+        Raises RuntimeError without a preceding arm()."""
+        if self.phase is not ReducePhase.ARMED:
+            raise RuntimeError(f"{type(self).__name__}.finish() without arm()")
+        self._flush_grads()
+        self.launch_remaining()
+        while self._inflight:
+            self._complete_oldest()
+        self._after_finish()
+        self.phase = ReducePhase.FINISHED
+
+    def _after_finish(self) -> None:
+        pass
+
+    def _copy_into_chunk(self, index: int, grad: torch.Tensor, chunk: int, dst: torch.Tensor) -> None:
+        """Copy the part of parameter `index`'s gradient that lies in `chunk` into `dst` ([L])."""
+        p_start, p_end = self.layout.param_range(index)
+        c_start, c_end = self.layout.chunk_range(chunk)
+        lo, hi = max(p_start, c_start), min(p_end, c_end)
+        dst[lo - c_start:hi - c_start].copy_(grad.reshape(-1)[lo - p_start:hi - p_start])
+
+
+class Stage1Grads(_ChunkReducer):
+    """Stage 1: full flat gradient buffer ([padded Ψ], `dtype`); `.grad` are views; reduce-scatter at
+    the boundary (in place when `dtype == reduce_dtype`)."""
+
+    def __init__(self, params, layout, names, **kw):
+        super().__init__(params, layout, names, **kw)
+        self.flat = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
+        self._views = GradViews(params, [self.flat[a:b].view_as(p) for p, (a, b) in
+                                         zip(params, map(layout.param_range, range(len(params))))])
+        self._views.attach()
+        s, r = layout.shard_numel, self.rank
+        self._own_view = self.flat.view(layout.num_chunks, layout.chunk_numel)[:, r * s:(r + 1) * s]
+        self.separate = self.grad_dtype != self.dtype  # fp32 partition gradient of its own (mixed precision)
+        self.partition_grad = None if self.separate else self._own_view
+
+    def _store_grad(self, index, p):
+        self._views.store(index, p)
+
+    def _chunk_grad(self, chunk):
+        return self.flat[slice(*self.layout.chunk_range(chunk))]
+
+    def _flush_grads(self):
+        self._views.attach()
+
+    def _complete(self, chunk, own):
+        if self.partition_grad is None:
+            self.partition_grad = torch.empty(self.layout.num_chunks, self.layout.shard_numel, dtype=self.grad_dtype,
+                                              device=self.device)
+        dst = self.partition_grad[chunk]
+        if dst.data_ptr() != own.data_ptr():
+            dst.copy_(own)
+        if self.post != 1.0:
+            dst.div_(self.post)
+
+    def zero_grad(self):
+        self.flat.zero_()
+        self._views.attach()
+        if self.separate:
+            self.partition_grad = None
+
+    def grad_bytes(self) -> int:
+        extra = self.partition_grad.numel() * self.partition_grad.element_size() \
+            if self.separate and self.partition_grad is not None else 0
+        return self.flat.numel() * self.flat.element_size() + extra
+
+
+class Stage2Grads(_ChunkReducer):
+    """Stage 2: persistent partition gradient ([K, S], `grad_dtype`) plus per-chunk scratch ([L],
+    `reduce_dtype`) while reducing."""
+
+    def __init__(self, params, layout, names, **kw):
+        super().__init__(params, layout, names, **kw)
+        self.partition_grad = torch.zeros(layout.num_chunks, layout.shard_numel, dtype=self.grad_dtype,
+                                          device=self.device)
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []
+        self.peak_scratch_bytes = 0  # largest scratch held at once (bytes), for benchmarks and tests
+
+    def _chunk_grad(self, chunk):
+        buf = self._scratch.get(chunk)
+        if buf is None:
+            buf = self._free.pop().zero_() if self._free else \
+                torch.zeros(self.layout.chunk_numel, dtype=self.reduce_dtype, device=self.device)
+            self._scratch[chunk] = buf
+            self.peak_scratch_bytes = max(self.peak_scratch_bytes, self.scratch_bytes())
+        return buf
+
+    def _store_grad(self, index, p):
+        if self.phase is not ReducePhase.ARMED:
+            return  # not reducing: autograd keeps accumulating into p.grad, consumed by the next reduce
+        for chunk in self.layout.chunks_of(index):
+            self._copy_into_chunk(index, p.grad, chunk, self._chunk_grad(chunk))
+        p.grad = None
+
+    def _launch(self, slot):
+        super()._launch(slot)
+        # free scratch early: finish reductions that are done, and block once too many are in flight
+        while self._inflight and (len(self._inflight) > MAX_CHUNKS_IN_FLIGHT
+                                  or self._inflight[0][1].work.is_completed()):
+            self._complete_oldest()
+
+    def _flush_grads(self):
+        for i, p in enumerate(self.params):  # gradients from a plain loss.backward() (not armed)
+            if p.grad is not None and not self._seen[i]:
+                self._store_grad(i, p)
+                self._mark_ready(i)
+
+    def _complete(self, chunk, own):
+        if own.dtype == self.partition_grad.dtype:
+            if self.post != 1.0:
+                own.div_(self.post)
+            self.partition_grad[chunk].add_(own)
+        else:  # mixed precision: add the bf16/fp16 sum into the fp32 accumulator, divided in fp32
+            self.partition_grad[chunk].add_(own, alpha=1.0 / self.post)
+        self._free.append(self._scratch.pop(chunk))
+
+    def _after_finish(self):
+        self._free = []  # between backwards a rank holds only its partition gradient
+
+    def scratch_bytes(self) -> int:
+        n = len(self._scratch) + len(self._free)
+        return n * self.layout.chunk_numel * torch.empty(0, dtype=self.reduce_dtype).element_size()
+
+    def zero_grad(self):
+        self.partition_grad.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        return self.partition_grad.numel() * self.partition_grad.element_size() + self.scratch_bytes()
