@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "launch": ("zerospeed.launcher.launch", "run a training script on N local ranks / nodes (torchrun underneath)"),
     "demo": ("zerospeed.demo.cli", "train a byte-level GPT on Python's standard library source"),
+    "to-fp32": ("zerospeed.runtime.consolidate", "consolidate a checkpoint into fp32 safetensors (offline, streaming)"),
     "estimate": ("zerospeed.zero.estimate_cli", "model-state memory per rank for ZeRO stages 0-3 (--params 7.5e9 --dp 64)"),
 }
 

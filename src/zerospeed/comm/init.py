@@ -57,6 +57,22 @@ def default_backend(device: torch.device) -> str:
     return dist.Backend.default_device_backend_map.get(device.type, "gloo")
 
 
+def _restart_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's elastic agent after a restart: the agent's store with a per-attempt key prefix.
+
+    torchrun keeps one agent store across restarts of the worker group, and `env://` reads it
+    without a prefix, so a restarted rank that starts later than its peers can read a dead
+    rank's gloo address from the previous attempt and fail with "connectFullMesh ... Connection
+    refused" (pytorch/pytorch#167288). None when not restarted under the agent store.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerospeed/restart_{restart}", store)
+
+
 def init_distributed(dist_backend: str | None = None, *, timeout: timedelta = DEFAULT_TIMEOUT,
                      init_method: str | None = None, rank: int = -1, world_size: int = -1,
                      dist_init_required: bool | None = None, verbose: bool = False) -> None:
@@ -89,7 +105,11 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta = DE
                 raise RuntimeError(
                     f"running under SLURM but {', '.join(missing)} is not set; export e.g. "
                     "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29500")
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, timeout=timeout)
+        store = _restart_store(world_size, timeout) if init_method is None else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                    world_size=world_size, timeout=timeout)
     if verbose:
         log.info("initialized %s process group: rank %d of %d (%s)", backend, rank, world_size, env.source)

@@ -109,9 +109,10 @@ class ZeroStrategy(abc.ABC):
 
     def refresh_params_from_master(self) -> None:
         """After the masters changed outside optimizer_step() (a checkpoint load): make the parameters
-        used for compute equal them on every rank. fp32: stages 1/2 all-gather, stage 3 re-gathers
-        pinned units. Mixed precision must first copy master -> low-precision parameters (override
-        this). Collective at stages >= 1."""
+        used for compute equal them on every rank, by the same master -> parameter path as a step
+        (bf16/fp16: copy into the low-precision parameters / shards; stages 1/2 all-gather; stage 3
+        re-gathers pinned units). A stage whose step path changes must keep this in line
+        (fragments.refresh_params). Collective at stages >= 1."""
         from . import fragments
         fragments.refresh_params(self)
 
