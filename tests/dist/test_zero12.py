@@ -11,7 +11,7 @@ import torch
 
 import zerospeed
 from zerospeed.testing.models import random_tokens, tiny_gpt
-from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine
+from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine, train_reference
 from zerospeed.testing.spawn import run_distributed
 from zerospeed.zero.memory import estimate_model_states_memory
 
@@ -81,14 +81,9 @@ def reference_run(global_batch, clip):
     """Plain PyTorch; returns per-step losses, clip_grad_norm_ total norms and the final state."""
     model = tiny_gpt(**MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses, norms = [], []
-    for x, y in global_batches(random_tokens(global_batch * STEPS, 64, seed=1), global_batch, STEPS):
-        loss = model(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    norms = []
+    batches = global_batches(random_tokens(global_batch * STEPS, 64, seed=1), global_batch, STEPS)
+    losses = train_reference(model, opt, batches, clip=clip, norms=norms)
     return losses, norms, model.state_dict()
 
 

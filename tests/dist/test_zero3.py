@@ -10,7 +10,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing.models import GPT, Block, GPTConfig, random_tokens, tiny_gpt
-from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine
+from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine, train_reference
 from zerospeed.testing.spawn import run_distributed
 from zerospeed.zero import (GatheredParameters, Init, InitParameterError, ParameterNotGatheredError, ParamStatus,
                             register_external_parameter, unwrap_for_generation)
@@ -89,14 +89,9 @@ def reference_run(global_batch, clip):
     """Plain PyTorch, one process, full global batch; also records the global gradient norm."""
     model = tiny_gpt(**MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses, norms = [], []
-    for x, y in global_batches(random_tokens(global_batch * STEPS, 64, seed=1), global_batch, STEPS):
-        loss = model(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    norms = []
+    batches = global_batches(random_tokens(global_batch * STEPS, 64, seed=1), global_batch, STEPS)
+    losses = train_reference(model, opt, batches, clip=clip, norms=norms)
     return losses, model.state_dict(), norms
 
 

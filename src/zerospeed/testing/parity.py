@@ -33,14 +33,19 @@ def micro_batches(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_siz
 
 def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer,
                     batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, clip: float = 0.0,
-                    scheduler=None) -> list[float]:
-    """Plain PyTorch: one full-batch step per batch (loss = model(x, y)); returns the per-step losses."""
+                    scheduler=None, norms: list | None = None) -> list[float]:
+    """Plain PyTorch: one full-batch step per batch (loss = model(x, y)); returns the per-step losses.
+
+    clip > 0 clips with `clip_grad_norm_`; `norms`, if given, receives each step's total gradient
+    norm before clipping (what `engine.get_global_grad_norm()` reports)."""
     losses = []
     for x, y in batches:
         loss = model(x, y)
         loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip > 0 or norms is not None:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            if norms is not None:
+                norms.append(float(total))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
