@@ -68,8 +68,8 @@ def _resolve_class(torch_class_name: str) -> type[torch.optim.Optimizer]:
 def _fused_devices() -> set[str]:
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:  # pragma: no cover - older/newer torch without the helper
-        return {"cuda"}
+    except ImportError:  # pragma: no cover - older/newer torch without the helper: foreach everywhere
+        return set()
     return set(_get_fused_kernels_supported_devices())
 
 
