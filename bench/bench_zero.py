@@ -55,7 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", type=_csv(SYSTEMS), default=list(SYSTEMS), help="comma list (default: all)")
     p.add_argument("--stages", type=_csv((0, 1, 2, 3)), default=[0, 1, 2, 3],
                    help="ZeRO stages for deepspeed and zerospeed (default: 0,1,2,3)")
-    p.add_argument("--precisions", type=_csv(("fp32", "bf16")), default=["fp32", "bf16"])
+    p.add_argument("--precisions", type=_csv(("fp32", "bf16")), default=None,
+                   help="comma list (default: fp32,bf16, but only fp32 where bf16 matmuls are emulated (the bf16 "
+                        "matmul peak is under a quarter of fp32's): there every bf16 run is 10-20x slower; "
+                        "name bf16 explicitly to run it anyway)")
     p.add_argument("--models", type=_csv(("small", "base")), default=["small", "base"])
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (at least 1)")
@@ -230,10 +233,16 @@ def report(saved: dict, base: Path) -> str:
     shapes = {m: (c.n_layer, c.d_model, c.seq_len) for m, c in GPT_SIZES.items()}
     rows = aggregate(runs, peak_flops=peak_flops, model_shapes=shapes)
     for model in args["models"]:
-        for precision in args["precisions"]:
-            for system, stage in saved.get("skipped", []):
-                rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
-                             "status": "skipped", "message": "deepspeed not importable"})
+        for precision in args["precisions"] + saved.get("skipped_precisions", []):
+            for system, stage in saved.get("configs", []):
+                why = saved.get("skipped_precisions_reason") if precision in saved.get("skipped_precisions", []) \
+                    else "deepspeed not importable" if system == "deepspeed" and not saved.get("has_deepspeed") \
+                    else None
+                if why:
+                    rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
+                                 "status": "skipped", "message": why})
+    rows.sort(key=lambda r: (list(GPT_SIZES).index(r["model"]), ("fp32", "bf16").index(r["precision"]),
+                             SYSTEMS.index(r["system"]), r["stage"]))
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
@@ -277,19 +286,27 @@ def main(argv=None) -> int:
     logs = out / f"logs_{stamp}"
     logs.mkdir(parents=True)
     configs = configurations(args)
-    skipped = []
-    if importlib.util.find_spec("deepspeed") is None and any(s == "deepspeed" for s, _ in configs):
+    all_configs = list(configs)
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    if not has_ds and any(s == "deepspeed" for s, _ in configs):
         print("bench_zero: skipping DeepSpeed: deepspeed is not importable "
               "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8 to compare)", file=sys.stderr)
-        skipped = [c for c in configs if c[0] == "deepspeed"]
         configs = [c for c in configs if c[0] != "deepspeed"]
     t_start = time.time()
     print("bench_zero: measuring the matmul peak (1 thread) ...", file=sys.stderr, flush=True)
     peak = measure_peak()
-    if "bf16" in args.precisions and peak["bf16"] < peak["fp32"] / 4:
-        print(f"bench_zero: note: bf16 matmul runs at {peak['bf16'] / 1e9:.2f} GFLOP/s here against "
-              f"{peak['fp32'] / 1e9:.1f} in fp32 (no native bf16 on this CPU): bf16 runs are about 10x slower",
-              file=sys.stderr)
+    skipped_precisions, skip_reason = [], None
+    emulated = peak["bf16"] < peak["fp32"] / 4
+    if emulated:
+        skip_reason = (f"bf16 matmul emulated on this CPU ({peak['bf16'] / 1e9:.1f} vs {peak['fp32'] / 1e9:.0f} GFLOP/s "
+                       "fp32); --precisions fp32,bf16 runs it")
+    if args.precisions is None:
+        args.precisions = ["fp32"] if emulated else ["fp32", "bf16"]
+        if emulated:
+            skipped_precisions = ["bf16"]
+            print(f"bench_zero: skipping bf16: {skip_reason}", file=sys.stderr)
+    elif "bf16" in args.precisions and emulated:
+        print(f"bench_zero: note: {skip_reason.split(';')[0]}: bf16 runs are 10-20x slower than fp32", file=sys.stderr)
     total_steps = args.warmup + args.steps + (1 if args.profile else 0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_zero_"))
     try:
@@ -306,7 +323,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     saved = {"stamp": stamp, "args": vars(args), "peak_flops": peak, "elapsed_s": time.time() - t_start,
-             "torch": torch.__version__, "cpu": _cpu_name(), "zerospeed_source": zs_source, "skipped": skipped,
+             "torch": torch.__version__, "cpu": _cpu_name(), "zerospeed_source": zs_source,
+             "configs": all_configs, "has_deepspeed": has_ds, "skipped_precisions": skipped_precisions,
+             "skipped_precisions_reason": skip_reason,
              "interrupted": interrupted,
              "runs": runs}
     print(report(saved, out / f"bench_zero_{stamp}"))
