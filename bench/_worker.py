@@ -57,7 +57,7 @@ def peak_rss_bytes() -> int:
 def run(args, rank: int, world: int) -> dict:
     rss_start = peak_rss_bytes()  # torch imported, process group up; no model, no data yet
     cfg = GPT_SIZES[args.model]
-    batches = torch.load(args.data)  # uint8 [world, steps, micro, seq + 1]
+    batches = torch.load(args.data, weights_only=True)  # uint8 [world, steps, micro, seq + 1]
     if batches.shape[0] < world or batches.shape[1] < args.warmup + args.steps:
         raise ValueError(f"data file {args.data} holds {tuple(batches.shape)}; need {world} ranks x "
                          f"{args.warmup + args.steps} steps")
