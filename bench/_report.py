@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 MiB = 2**20
-LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed", "zerospeed": "zerospeed"}
+LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed", "zerospeed": "zerospeed", "all": "all systems"}
 # The ZeRO stage a non-ZeRO system corresponds to (what it holds per rank): for the formula and
 # for the "vs DeepSpeed same stage" ratio.
 EQUIVALENT_STAGE = {"ddp": 0, "fsdp2": 3}
@@ -127,7 +127,7 @@ HEADER = ("| system | stage | precision | model | step s (wall / CPU) | tokens/s
 def markdown_table(rows: list[dict]) -> str:
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for r in rows:
-        stage = "-" if r["system"] in EQUIVALENT_STAGE else str(r["stage"])
+        stage = "-" if r["system"] in EQUIVALENT_STAGE or r["stage"] < 0 else str(r["stage"])
         head = f"| {LABEL[r['system']]} | {stage} | {r['precision']} | {r['model']} |"
         if r["status"] == "skipped":
             lines.append(f"{head} skipped: {r.get('message', '')} |" + " |" * 8)
@@ -177,11 +177,12 @@ def chart(rows: list[dict], path: Path, title: str) -> Path | None:
                   [max(r["tokens_per_s_all"]) - t for t, r in zip(tps, rs)]]
         ax_t.barh(ys, tps, color=c, xerr=spread, error_kw={"elinewidth": 1, "capsize": 3, "ecolor": "#444"})
         ax_m.barh(ys, [r["peak_rss_mib"] for r in rs], color=c)
-        for ax, key, fmt in ((ax_t, "tokens_per_s", "{:,.0f}"), (ax_m, "peak_rss_mib", "{:,.0f}")):
+        for ax, key, end in ((ax_t, "tokens_per_s", lambda r: max(r["tokens_per_s_all"])),
+                             (ax_m, "peak_rss_mib", lambda r: r["peak_rss_mib"])):
             ax.set_yticks(list(ys), labels)
             ax.invert_yaxis()
-            for y, r in zip(ys, rs):
-                ax.text(r[key], y, " " + fmt.format(r[key]), va="center", fontsize=8)
+            for y, r in zip(ys, rs):  # the value right of the bar (and of its error bar)
+                ax.text(end(r), y, f"  {r[key]:,.0f}", va="center", fontsize=8)
             ax.margins(x=0.15)
         ax_t.set_title(f"{model}, {prec}: tokens/s, median and range over repeats")
         ax_m.set_title(f"{model}, {prec}: peak RSS per rank, MiB (lower is better)")

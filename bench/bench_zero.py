@@ -233,16 +233,16 @@ def report(saved: dict, base: Path) -> str:
     shapes = {m: (c.n_layer, c.d_model, c.seq_len) for m, c in GPT_SIZES.items()}
     rows = aggregate(runs, peak_flops=peak_flops, model_shapes=shapes)
     for model in args["models"]:
-        for precision in args["precisions"] + saved.get("skipped_precisions", []):
+        for precision in saved.get("skipped_precisions", []):  # one row for every system
+            rows.append({"model": model, "precision": precision, "system": "all", "stage": -1,
+                         "status": "skipped", "message": saved.get("skipped_precisions_reason")})
+        for precision in args["precisions"]:
             for system, stage in saved.get("configs", []):
-                why = saved.get("skipped_precisions_reason") if precision in saved.get("skipped_precisions", []) \
-                    else "deepspeed not importable" if system == "deepspeed" and not saved.get("has_deepspeed") \
-                    else None
-                if why:
+                if system == "deepspeed" and not saved.get("has_deepspeed"):
                     rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
-                                 "status": "skipped", "message": why})
+                                 "status": "skipped", "message": "deepspeed not importable"})
     rows.sort(key=lambda r: (list(GPT_SIZES).index(r["model"]), ("fp32", "bf16").index(r["precision"]),
-                             SYSTEMS.index(r["system"]), r["stage"]))
+                             (*SYSTEMS, "all").index(r["system"]), r["stage"]))
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
@@ -260,7 +260,7 @@ def report(saved: dict, base: Path) -> str:
                 f"{args['repeats']} repeat(s), load {min(loads, default=0):.1f}-{max(loads, default=0):.1f}")
     base.with_suffix(".md").write_text(md)
     base.with_suffix(".json").write_text(json.dumps({**saved, "rows": rows}, indent=1, default=str))
-    print(f"written: {base}.md, {base}.json" + (f", {png}" if png else " (no chart: matplotlib missing)"),
+    print(f"written: {base}.md, {base}.json" + (f", {png}" if png else " (no chart: matplotlib missing or no finished run)"),
           file=sys.stderr)
     return md
 
@@ -275,8 +275,13 @@ def _cpu_name() -> str:
     return f"{platform.machine()} x {os.cpu_count()}"
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: stop the launch, report what finished
     if args.report:  # re-render a saved run
         saved = json.loads(Path(args.report).read_text())
         print(report(saved, Path(args.report).with_suffix("")))
