@@ -15,7 +15,14 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
         from .comm import init_distributed
 
         return init_distributed
+    if name in _SUBPACKAGES:  # `zerospeed.zero.Init()` as `deepspeed.zero.Init()`, without an import first
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+
+
+_SUBPACKAGES = ("zero", "checkpointing", "comm", "config", "offload", "profiling", "monitor", "runtime", "testing")
 
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "ZeroSpeedEngine", "__version__"]

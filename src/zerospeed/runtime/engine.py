@@ -254,6 +254,8 @@ class ZeroSpeedEngine(nn.Module):
         """Remove hooks and release gradient buckets; the process group is left to the caller."""
         self.strategy.remove()
         self.telemetry.close()
+        if getattr(self, "offload", None) is not None:  # swap files are removed with the engine
+            self.offload.close()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of model states this rank holds: params, grads, optimizer_states, master_weights

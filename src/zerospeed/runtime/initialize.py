@@ -8,6 +8,7 @@ only its own section of the config.
 from __future__ import annotations
 
 import argparse
+import socket
 from typing import Any, Callable
 
 import torch
@@ -102,12 +103,6 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                                   f"zerospeed (implemented: {sorted(IMPLEMENTED_STAGES)})")
     zero = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, key)
-        if section is not None and section.device != "none":
-            raise NotImplementedError(f"zero_optimization.{key}.device={section.device!r}: offload is not implemented "
-                                      "yet in this version of zerospeed; remove the section (or set device to "
-                                      '"none") to train with everything in accelerator memory')
     for section, flag in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
                           ("bf16", "bf16_optimizer_states")):
         if getattr(getattr(cfg, section), flag):
@@ -125,6 +120,27 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
     if cfg.data_types.param_dtype not in (None, cfg.precision):
         raise NotImplementedError(f"data_types.param_dtype={cfg.data_types.param_dtype!r} differs from the precision "
                                   f"the fp16/bf16 sections select ({cfg.precision}); set it through fp16/bf16 instead")
+
+
+def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedPrecisionPolicy):
+    """The rank's OffloadContext (pre-flight checks, swap spaces) when offload_* is on, else None."""
+    from ..offload import OffloadPolicy
+
+    opol = OffloadPolicy.from_config(cfg.zero_optimization)
+    if not opol.enabled:
+        return None
+    from ..offload import OffloadContext
+    from ..zero.stage3_init import shape_of
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(shape_of(p).numel() for p in params)
+    itemsize = torch.empty(0, dtype=policy.param_dtype).element_size()
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())  # ranks on this node share its RAM and disk
+    mine = [r for r, h in enumerate(hosts) if h == hosts[dist.get_rank()]]
+    return OffloadContext.create(opol, cfg.aio, rank=dist.get_rank(), local_ranks=len(mine),
+                                 clear_stale_files=dist.get_rank() == mine[0], numel=numel,
+                                 world=dist.get_world_size(group), param_bytes=itemsize)
 
 
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
@@ -203,11 +219,12 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
+    offload = _build_offload(cfg, model, group, policy)
     strategy = build_strategy(cfg.zero_optimization.stage, module=model,
                               make_optimizer=_optimizer_builder(cfg, optimizer), group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
-                              logger=logger, policy=policy, master_values=original_values)
+                              logger=logger, policy=policy, master_values=original_values, offload=offload)
     del original_values  # the originals live on only where a strategy adopted them as masters
     opt = strategy.optimizer
     sched = _build_scheduler(cfg, lr_scheduler, opt)
@@ -227,6 +244,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
+    engine.offload = offload
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

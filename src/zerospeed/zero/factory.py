@@ -20,13 +20,14 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
                    group: dist.ProcessGroup | None, zero_cfg, gradient_allreduce_op: str = "mean",
                    predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                    policy: MixedPrecisionPolicy | None = None,
-                   master_values: dict[int, torch.Tensor] | None = None) -> ZeroStrategy:
+                   master_values: dict[int, torch.Tensor] | None = None, offload=None) -> ZeroStrategy:
     """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
 
     zero_cfg: the validated `zero_optimization` section (bucket sizes in elements, stage-3 knobs).
     policy: the mixed-precision policy (default fp32); the module must already be cast to
     `policy.param_dtype`. master_values: {id(param): original fp32 value} from
-    `MixedPrecisionPolicy.cast_module`, so the fp32 masters lose nothing at init.
+    `MixedPrecisionPolicy.cast_module`, so the fp32 masters lose nothing at init. offload: an
+    `offload.OffloadContext` (stages >= 1; ZeRO-Offload / ZeRO-Infinity) or None.
     Raises NotImplementedError for a stage this version does not implement.
     """
     policy = policy or MixedPrecisionPolicy()
@@ -46,13 +47,13 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
                                allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
                                reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
                                average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
-                               logger=logger, policy=policy, master_values=master_values)
+                               logger=logger, policy=policy, master_values=master_values, offload=offload)
     if stage == 3:
         from .stage3 import Stage3Strategy
 
         return Stage3Strategy.from_config(module, make_optimizer, group=group, zero_cfg=zero_cfg,
                                           average=gradient_allreduce_op == "mean",
                                           predivide_factor=predivide_factor, logger=logger, policy=policy,
-                                          master_values=master_values)
+                                          master_values=master_values, offload=offload)
     raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                               "zerospeed; use stage 0 (data parallelism) for now")

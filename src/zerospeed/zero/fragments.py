@@ -278,16 +278,5 @@ def refresh_params(strategy) -> None:
                 own.copy_(master)
             strategy.all_gather_params()
         elif strategy.stage == 3:
-            from ..comm.ops import start_all_gather
-
             for u in strategy.units:
-                if hasattr(u, "sync_after_step"):
-                    u.sync_after_step()
-                if u.status is ParamStatus.GATHERING:
-                    u.finish_gather()
-                if u.status is ParamStatus.GATHERED and u.pins:
-                    source = getattr(u, "lp_shard", None)
-                    source = u.shard.detach() if source is None else source
-                    start_all_gather(u.full, source, group=strategy.group, logger=strategy.logger).wait()
-                elif u.status is ParamStatus.GATHERED:
-                    u.release()
+                u.after_step(strategy.group, strategy.logger)

@@ -27,6 +27,8 @@ from torch import nn
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import all_reduce, start_all_gather
+from ..offload.aio import HOST
+from ..offload.optimizer import SwappedOptimizer
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from .data_parallel import ReducePhase
 from .partition import plan_flat_partition
@@ -77,7 +79,8 @@ class Stage12Strategy(ZeroStrategy):
                  group: dist.ProcessGroup | None, reduce_bucket_size: int, allgather_bucket_size: int = 0,
                  reduce_scatter: bool = True, allgather_partitions: bool = True, average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None,
-                 policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None):
+                 policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
+                 offload=None):
         if stage not in (1, 2):
             raise ValueError(f"Stage12Strategy implements ZeRO stages 1 and 2, not {stage}")
         for key, value in (("reduce_scatter", reduce_scatter), ("allgather_partitions", allgather_partitions)):
@@ -101,8 +104,19 @@ class Stage12Strategy(ZeroStrategy):
         s = layout.shard_numel
         # this rank's shard of the parameters, in their dtype (the all-gather source)
         self.own_params = self.flat.view(layout.num_chunks, layout.chunk_numel)[:, self.rank * s:(self.rank + 1) * s]
-        self.master = self.own_params if not policy.mixed else self._build_master(master_values or {})
-        self.master_params = [self.master]
+        # offload (an OffloadContext): "cpu" keeps a separate fp32 master on the host, "nvme" on disk
+        self.offload, self.swapped = offload, None
+        self.master_device = HOST if offload is not None and offload.policy.optimizer_on_host else device
+        separate = policy.mixed or offload is not None and offload.policy.optimizer_on_host
+        self.master = self._build_master(master_values or {}) if separate else self.own_params
+        if offload is not None and offload.policy.optimizer == "nvme":
+            self.swapped = SwappedOptimizer(make_optimizer=make_optimizer, swap=offload.swaps["optimizer"],
+                                            sub_group_size=offload.policy.sub_group_size,
+                                            pipeline=offload.policy.pipeline, dtype=self.master.dtype,
+                                            pin=offload.policy.pin_memory)
+            self.swapped.add_master(self.master)
+            self.master = None  # lives on NVMe now
+        self.master_params = [self.master] if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
         self.grads = grads_cls(params, layout, names, group=group, rank=self.rank, average=average,
                                predivide=predivide_factor, logger=logger, dtype=dtype, device=device,
@@ -113,7 +127,7 @@ class Stage12Strategy(ZeroStrategy):
     def _build_master(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
         """fp32 [K, S]: this rank's fragments of every parameter, from the original values (zero padding)."""
         master = torch.zeros(self.layout.num_chunks, self.layout.shard_numel, dtype=self.policy.master_dtype,
-                             device=self.flat.device)
+                             device=self.master_device)
         flat_master = master.view(-1)
         with torch.no_grad():
             for f in self.layout.fragments(self.rank):
@@ -127,6 +141,8 @@ class Stage12Strategy(ZeroStrategy):
         if make_optimizer is None:
             return None
         try:
+            if self.swapped is not None:
+                return self.swapped.build()
             opt = make_optimizer([self.master])
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             raise TypeError(f"ZeRO stage {self.stage} builds the optimizer over one flat fp32 tensor per rank "
@@ -139,8 +155,14 @@ class Stage12Strategy(ZeroStrategy):
             raise ValueError(f"the optimizer for ZeRO stage {self.stage} must optimize exactly the one tensor it "
                              f"is given (this rank's partition), but it holds {len(owned)} other tensor(s); a "
                              "callable optimizer must build over its params argument")
-        self.master.grad = self.grads.partition_grad
+        self._attach_grad()
         return opt
+
+    def _attach_grad(self) -> None:
+        """The master's .grad: the partition gradient, copied to the host when the master lives there."""
+        g = self.grads.partition_grad
+        self.master.grad = g if g is None or g.device == self.master.device else \
+            g.to(self.master.device, non_blocking=True)
 
     # -- the ZeroStrategy protocol (call order: see strategy.py) --------------------------------------
     @property
@@ -191,7 +213,13 @@ class Stage12Strategy(ZeroStrategy):
         hold the full updated parameters."""
         if self.optimizer is None:
             return
-        self.master.grad = self.grads.partition_grad
+        if self.swapped is not None:  # NVMe: stream the tiles; each lands in this rank's shard of flat
+            own = self.own_params
+            self.swapped.step([self.grads.partition_grad],
+                              lambda m, rows, values: own[rows[0]:rows[1]].copy_(values, non_blocking=True))
+            self.all_gather_params()
+            return
+        self._attach_grad()
         self.optimizer.step()
         if self.master is not self.own_params:
             with torch.no_grad():
@@ -210,7 +238,7 @@ class Stage12Strategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
-        if self.grads.partition_grad is None:  # stage 1, mixed precision: the fp32 partition grad is freed
+        if self.grads.partition_grad is None and self.master is not None:  # stage 1, mixed: fp32 grad freed
             self.master.grad = None
 
     def remove(self) -> None:
@@ -218,7 +246,8 @@ class Stage12Strategy(ZeroStrategy):
         self.grads.remove_hooks()
         for p in self.params:
             p.grad = None
-        self.master.grad = None
+        if self.master is not None:
+            self.master.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding
@@ -228,7 +257,11 @@ class Stage12Strategy(ZeroStrategy):
         scratch held right now (none between backwards); optimizer_states = the optimizer's state
         tensors over the partition (Adam: 8Ψ/N bytes); master_weights = the fp32 partition under
         mixed precision (4Ψ/N), 0 in fp32 because the master is a view of the parameters."""
-        shared = self.master.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
+        if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)
+            states, masters = self.swapped.resident_bytes(), 0
+        else:
+            shared = self.master.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
+            states = _optimizer_state_bytes(self.optimizer)
+            masters = 0 if shared else self.master.numel() * self.master.element_size()
         return {"params": self.flat.numel() * self.flat.element_size(), "grads": self.grads.grad_bytes(),
-                "optimizer_states": _optimizer_state_bytes(self.optimizer),
-                "master_weights": 0 if shared else self.master.numel() * self.master.element_size()}
+                "optimizer_states": states, "master_weights": masters}

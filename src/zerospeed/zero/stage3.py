@@ -23,12 +23,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
-from ..comm.ops import all_reduce, start_all_gather
+from ..comm.ops import all_reduce
+from ..offload.aio import HOST
+from ..offload.optimizer import SwappedOptimizer
+from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
 from . import stage3_init as init
 from .data_parallel import ReducePhase
-from .stage3_params import ParamStatus, ShardedParam, ShardedUnit
+from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
 from .stage3_units import plan_units
@@ -60,7 +63,8 @@ class Stage3Strategy(ZeroStrategy):
                  max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
-                 policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None):
+                 policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
+                 offload=None):
         self.module, self.group, self.logger = module, group, logger
         self.policy = policy = policy or MixedPrecisionPolicy()
         values = master_values or {}
@@ -72,18 +76,34 @@ class Stage3Strategy(ZeroStrategy):
                                 leaf_names=leaf_names, leaf_name_suffixes=leaf_name_suffixes,
                                 numel_of=lambda p: init.shape_of(p).numel())
         named = dict(module.named_parameters())
-        self.units: list[ShardedUnit] = [
-            ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
-                        rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=full_value,
-                        master_dtype=policy.master_dtype if policy.mixed else None,
-                        reduce_dtype=policy.reduce_dtype)
-            for i, plan in enumerate(self.plans)]
+        self.offload = offload
+        self.swapped, self.param_swapper = self._build_offload(offload, make_optimizer, named)
+        opol = offload.policy if offload is not None else None
+        self.units: list[ShardedUnit] = []
+        for i, plan in enumerate(self.plans):  # one unit at a time, so NVMe offload never holds them all
+            u = ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
+                            rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=full_value,
+                            master_dtype=policy.master_dtype if policy.mixed else None,
+                            reduce_dtype=policy.reduce_dtype,
+                            master_device=HOST if opol is not None and opol.optimizer_on_host else None,
+                            param_device=HOST if opol is not None and opol.param == "cpu" else None,
+                            param_swapper=self.param_swapper)
+            if self.swapped is not None and u.layout.padded:  # the master goes to NVMe right away
+                u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach())
+                u.shard.untyped_storage().resize_(0)
+            self.units.append(u)
+        self._swapped_units = [u for u in self.units if u.master_store is not None]
+        self._lp_stage: torch.Tensor | None = None
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
         for p in self._frozen:  # frozen parameters stay whole on every rank (Init may have partitioned them)
             if init.init_shard(p) is not None:
                 p.data = init.full_value(p).to(p.dtype, copy=True)
-        self.master_params = [u.shard for u in self.units if u.layout.padded]
-        self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
+        if self.swapped is not None:
+            self.master_params = []  # on NVMe; the optimizer is keyed by the tiles
+            self.optimizer = self.swapped.build() if make_optimizer is not None else None
+        else:
+            self.master_params = [u.shard for u in self.units if u.layout.padded]
+            self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
         self._phase = ReducePhase.IDLE
         self.scheduler = GatherScheduler(
             module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
@@ -101,16 +121,52 @@ class Stage3Strategy(ZeroStrategy):
     def from_config(cls, module: nn.Module, make_optimizer, *, group, zero_cfg, average: bool = True,
                     predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                     policy: MixedPrecisionPolicy | None = None,
-                    master_values: dict[int, torch.Tensor] | None = None) -> Stage3Strategy:
+                    master_values: dict[int, torch.Tensor] | None = None, offload=None) -> Stage3Strategy:
         """Build from the validated `zero_optimization` section (its stage-3 knobs and `leaf_module`)."""
         leaf = zero_cfg.leaf_module
-        return cls(module, make_optimizer, group=group, prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
+        return cls(module, make_optimizer, group=group, offload=offload,
+                   prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
                    max_live_parameters=int(zero_cfg.max_live_parameters),
                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
                    policy=policy, master_values=master_values)
+
+    def _build_offload(self, offload, make_optimizer, named):
+        """(SwappedOptimizer | None, ParamSwapper | None) for NVMe offload of the masters / the shards."""
+        if offload is None:
+            return None, None
+        pol, swapped, swapper = offload.policy, None, None
+        if pol.optimizer == "nvme":
+            swapped = SwappedOptimizer(make_optimizer=make_optimizer, swap=offload.swaps["optimizer"],
+                                       sub_group_size=pol.sub_group_size, pipeline=pol.pipeline,
+                                       dtype=self.policy.master_dtype, pin=pol.pin_memory)
+        if pol.param == "nvme":
+            shards = [-(-sum(init.shape_of(named[n]).numel() for n in plan.params) // self.world)
+                      for plan in self.plans]
+            big = max(range(len(shards)), key=shards.__getitem__)
+            if shards[big] > pol.param_buffer_size:
+                raise ValueError(f"offload_param: gather unit '{self.plans[big].name or '<root>'}' has a shard of "
+                                 f"{shards[big]:,} elements per rank, more than zero_optimization.offload_param."
+                                 f"buffer_size={pol.param_buffer_size:,}; raise buffer_size to at least {shards[big]:,}")
+            swapper = ParamSwapper(offload.swaps["param"], buffer_count=pol.param_buffer_count,
+                                   buffer_size=shards[big], max_in_cpu=pol.max_in_cpu,
+                                   dtype=next(iter(named.values())).dtype, pin=pol.pin_memory)
+        return swapped, swapper
+
+    def _write_tile(self, m: int, rows: tuple[int, int], values: torch.Tensor) -> None:
+        """SwappedOptimizer callback: updated master elements `rows` of unit m -> its parameter shard."""
+        u = self._swapped_units[m]
+        if u.swapper is None:
+            u.lp_shard[rows[0]:rows[1]].copy_(values)
+            return
+        if rows[0] == 0:  # an NVMe shard is written whole: assemble its tiles first
+            self._lp_stage = torch.empty(u.layout.shard_numel, dtype=u.full.dtype, device=values.device)
+        self._lp_stage[rows[0]:rows[1]].copy_(values)
+        if rows[1] == u.layout.shard_numel:
+            u.set_lp(self._lp_stage)
+            self._lp_stage = None
 
     # -- lookups and the context API (stage3_context.py calls these) ----------------------------
     def managed(self, param: torch.Tensor) -> ShardedParam | None:
@@ -193,15 +249,14 @@ class Stage3Strategy(ZeroStrategy):
         """Step the optimizer on the shards; units still gathered (pinned) are re-gathered, others released."""
         if self.optimizer is None:
             return
-        self.optimizer.step()
+        if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
+            self.swapped.step([u.shard.grad for u in self._swapped_units], self._write_tile)
+            if self.param_swapper is not None:
+                self.param_swapper.drain()
+        else:
+            self.optimizer.step()
         for u in self.units:
-            u.sync_after_step()  # mixed precision: round the fp32 master into the gathered shard
-            if u.status is ParamStatus.GATHERING:
-                u.finish_gather()
-            if u.status is ParamStatus.GATHERED and u.pins:
-                start_all_gather(u.full, u.lp_shard, group=self.group, logger=self.logger).wait()
-            elif u.status is ParamStatus.GATHERED:
-                u.release()
+            u.after_step(self.group, self.logger)
 
     def zero_grad(self) -> None:
         for u in self.units:
@@ -222,9 +277,13 @@ class Stage3Strategy(ZeroStrategy):
         grads = sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units if u.shard.grad is not None)
         grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
                      if sp.param.grad is not None)
-        masters = sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.has_master)
-        return {"params": params, "grads": grads, "optimizer_states": _optimizer_state_bytes(self.optimizer),
-                "master_weights": masters}
+        masters = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.has_master)
+        states = _optimizer_state_bytes(self.optimizer)
+        if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)
+            states = self.swapped.resident_bytes()
+        if self.param_swapper is not None:  # the shard read buffers (shards kept in RAM are counted above)
+            params += self.param_swapper.pool.nbytes
+        return {"params": params, "grads": grads, "optimizer_states": states, "master_weights": masters}
 
     def consolidated_state_dict(self, *, rank: int | None = None) -> dict[str, torch.Tensor]:
         """The model's full state dict (clones in the parameter dtype: bf16/fp16 under mixed precision;

@@ -157,7 +157,8 @@ class ShardedUnit:
 
     def __init__(self, index: int, name: str, params: list[tuple[nn.Parameter, str, tuple[str, ...]]], *,
                  rank: int, world: int, shape_of=None, full_value=None, master_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, master_device: torch.device | None = None,
+                 param_device: torch.device | None = None, param_swapper=None):
         self.index, self.name, self.rank, self.world = index, name, rank, world
         shape_of = shape_of or (lambda p: p.shape)
         full_value = full_value or (lambda p: p.data)
@@ -172,7 +173,7 @@ class ShardedUnit:
         self.master_dtype = master_dtype or ref.dtype
         self.reduce_dtype = reduce_dtype or ref.dtype
         start, end = self.layout.rank_range(rank)
-        master = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=ref.device)
+        master = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=master_device or ref.device)
         with torch.no_grad():
             for sp in self.params:
                 value = full_value(sp.param)
@@ -182,7 +183,16 @@ class ShardedUnit:
                 if hi > lo:  # cut the master from the value itself, not from its rounded copy
                     master[sp.offset + lo - start:sp.offset + hi - start].copy_(value.reshape(-1)[lo:hi])
             self.shard = nn.Parameter(master)
-            self.lp_shard = self.shard.detach() if self.master_dtype == ref.dtype else self.full[start:end].clone()
+            # a separate low-precision shard: mixed precision, or any offload (the master leaves it)
+            self.has_master = self.master_dtype != ref.dtype or master_device is not None or \
+                param_device is not None or param_swapper is not None
+            self.lp_shard = self.full[start:end].to(param_device or ref.device, copy=True) if self.has_master \
+                else self.shard.detach()
+        self.swapper = param_swapper if param_swapper is not None and self.layout.padded else None
+        if self.swapper is not None:  # NVMe: the shard lives in a swap file (unless max_in_cpu keeps it)
+            kept = self.swapper.add(index, self.lp_shard)
+            self.lp_shard = kept if kept is not None else self.placeholder
+        self.master_store = None  # a SwappedOptimizer holding the master (NVMe), set by the strategy
         self.shard.grad = torch.zeros_like(self.shard)
         self.status = ParamStatus.GATHERED
         self.pins = 0
@@ -201,13 +211,15 @@ class ShardedUnit:
         self._to(ParamStatus.GATHERING)
         self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
         if self.layout.padded:
-            self.handle = start_all_gather(self.full, self.lp_shard, group=group, logger=logger)
+            self.handle = start_all_gather(self.full, self._lp_source(), group=group, logger=logger)
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather and point every parameter at its view."""
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
+            if self.swapper is not None:
+                self.swapper.release(self.index)
         self._to(ParamStatus.GATHERED)
         for sp in self.params:
             sp.param.data = sp.view
@@ -243,6 +255,8 @@ class ShardedUnit:
         added into the fp32 accumulator and divided in fp32."""
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
+        if reduced.device != self.shard.grad.device:  # optimizer offload: the gradient goes down to the host
+            reduced = reduced.to(self.shard.grad.device, non_blocking=True)
         if reduced.dtype != self.shard.grad.dtype:
             self.shard.grad.add_(reduced, alpha=1.0 / post)
             return
@@ -267,20 +281,45 @@ class ShardedUnit:
         self.sync_rebound()
         start, end = self.layout.rank_range(self.rank)
         with torch.no_grad():
-            self.lp_shard.copy_(self.full[start:end])
-            if self.has_master:
-                self.shard.detach().copy_(self.lp_shard)
+            mine = self.full[start:end]
+            self.set_lp(mine)
+            if self.master_store is not None:
+                self.master_store.write_master(self.master_index, mine.to(self.master_dtype))
+            elif self.has_master:
+                self.shard.detach().copy_(mine)
 
-    @property
-    def has_master(self) -> bool:
-        """True when the fp32 master `shard` is separate from the gathered `lp_shard` (mixed precision)."""
-        return self.lp_shard.data_ptr() != self.shard.data_ptr() or self.lp_shard.dtype != self.shard.dtype
+    def _lp_source(self) -> torch.Tensor:
+        """This rank's shard in the parameter dtype on the compute device, to all-gather from (read from
+        NVMe, or copied up from the host, when offloaded; NVMe: the buffer is freed by finish_gather)."""
+        src = self.swapper.acquire(self.index) if self.swapper is not None else self.lp_shard
+        return src.to(self.full.device, non_blocking=True) if src.device != self.full.device else src
+
+    def set_lp(self, values: torch.Tensor) -> None:
+        """New values (any dtype/device, [shard_numel]) for the parameter-dtype shard (NVMe: written out)."""
+        if self.swapper is not None:
+            self.swapper.store(self.index, values.to(self.full.dtype))
+        elif self.lp_shard.data_ptr() != values.data_ptr():
+            self.lp_shard.copy_(values)
 
     def sync_after_step(self) -> None:
-        """After the optimizer updated the master `shard`: round it into `lp_shard` (mixed precision)."""
-        if self.has_master:
+        """After the optimizer updated the master `shard`: round it into `lp_shard` (mixed precision,
+        offload). A master on NVMe (`master_store`) is written to the shard by the swapped step itself."""
+        if self.has_master and self.master_store is None:
             with torch.no_grad():
-                self.lp_shard.copy_(self.shard)
+                self.set_lp(self.shard.detach())
+
+    def after_step(self, group: dist.ProcessGroup | None, logger: CommsLogger | None) -> None:
+        """After the masters changed (step, checkpoint load): refresh the shard; a unit still gathered is
+        re-gathered if pinned (GatheredParameters, generation) and released otherwise."""
+        self.sync_after_step()
+        if self.status is ParamStatus.GATHERING:
+            self.finish_gather()
+        if self.status is ParamStatus.GATHERED and self.pins:
+            start_all_gather(self.full, self._lp_source(), group=group, logger=logger).wait()
+            if self.swapper is not None:
+                self.swapper.release(self.index)
+        elif self.status is ParamStatus.GATHERED:
+            self.release()
 
     @property
     def requires_grad(self) -> bool:

@@ -90,6 +90,7 @@ class ZeroStrategy(abc.ABC):
         """Every trainable parameter of `module` as a `fragments.LogicalParam` (canonical name, aliases,
         full shape, master dtype), in the same order on every rank. Local."""
         from . import fragments
+        self._check_checkpointable()
         return fragments.logical_params(self, module)
 
     def owned_fragments(self, module):
@@ -98,6 +99,7 @@ class ZeroStrategy(abc.ABC):
         for everything this rank owns; over all ranks they cover every element exactly once
         (stage 0 splits the replicated state into N contiguous slices to spread the writing). Local."""
         from . import fragments
+        self._check_checkpointable()
         return fragments.owned_fragments(self, module)
 
     def load_owned_fragments(self, module, reader, *, optimizer_states: bool = True) -> None:
@@ -105,7 +107,15 @@ class ZeroStrategy(abc.ABC):
         optimizer states (created if the optimizer has not stepped) from `reader`, any flat range of
         any logical tensor (`fragments.FragmentReader`). Local: call refresh_params_from_master() next."""
         from . import fragments
+        self._check_checkpointable()
         fragments.load_owned_fragments(self, module, reader, optimizer_states=optimizer_states)
+
+    def _check_checkpointable(self) -> None:
+        if getattr(self, "swapped", None) is not None:
+            raise NotImplementedError(
+                "checkpoints with zero_optimization.offload_optimizer.device=nvme are not supported yet: the "
+                "master weights and optimizer states live in swap files. Save with device \"cpu\" (or none), or "
+                "export the weights with engine.module.state_dict() / save_16bit_model")
 
     def refresh_params_from_master(self) -> None:
         """After the masters changed outside optimizer_step() (a checkpoint load): make the parameters
