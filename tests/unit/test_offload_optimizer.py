@@ -92,3 +92,25 @@ def test_param_swapper_prefetch_and_store(swap):
     ps.release(2)
     with pytest.raises(ValueError, match="buffer_size"):
         ps.add(9, torch.zeros(101))
+
+
+def test_policy_from_config_and_unsupported_keys():
+    """OffloadPolicy reads DeepSpeed's keys; partial offload and GDS are errors before any process group."""
+    import zerospeed
+    from zerospeed.config import load_config
+    from zerospeed.offload import OffloadPolicy
+    zero = {"stage": 3, "sub_group_size": 123,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "pipeline_read": True},
+            "offload_param": {"device": "cpu", "max_in_cpu": 7, "buffer_count": 3}}
+    pol = OffloadPolicy.from_config(load_config({"train_batch_size": 2, "zero_optimization": zero}).zero_optimization)
+    assert (pol.optimizer, pol.param, str(pol.optimizer_nvme_path), pol.sub_group_size, pol.pipeline) == \
+        ("nvme", "cpu", "/x", 123, True)
+    assert (pol.max_in_cpu, pol.param_buffer_count, pol.nvme) == (7, 3, True)
+    model = torch.nn.Linear(2, 2)
+    partial = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}
+    with pytest.raises(NotImplementedError, match="offload_optimizer.ratio=0.5"):
+        zerospeed.initialize(model=model, config={"train_batch_size": 1, "zero_optimization": partial})
+    with pytest.raises(NotImplementedError, match="use_gds"):
+        zerospeed.initialize(model=model, config={"train_batch_size": 1, "aio": {"use_gds": True}})
+    with pytest.raises(ValueError, match="offload_param.device"):
+        zerospeed.zero.Init(remote_device="cpu")

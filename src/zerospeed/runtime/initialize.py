@@ -103,6 +103,13 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                                   f"zerospeed (implemented: {sorted(IMPLEMENTED_STAGES)})")
     zero = cfg.zero_optimization
+    opt = zero.offload_optimizer
+    if opt is not None and opt.enabled and opt.ratio < 1.0:
+        raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio={opt.ratio}: partial optimizer offload is "
+                                  "not implemented in zerospeed; remove the key (ratio 1.0 offloads everything)")
+    if cfg.aio.use_gds:
+        raise NotImplementedError("aio.use_gds=true (GPUDirect Storage) is not implemented in zerospeed; remove the key "
+                                  "(swap files are read and written through host buffers)")
     for section, flag in (("fp16", "fp16_master_weights_and_grads"), ("bf16", "bf16_master_weights_and_grads"),
                           ("bf16", "bf16_optimizer_states")):
         if getattr(getattr(cfg, section), flag):

@@ -168,8 +168,8 @@ class Init:
 
     data_parallel_group: ranks to partition over (default: the world). enabled=False: a no-op.
     module: the function form `Init(module=model)` partitions an existing model's sub-modules now.
-    dtype must be None or torch.float32 and remote_device None or "none" (offload is not supported
-    here); other DeepSpeed arguments are accepted and ignored. Raises RuntimeError if the process
+    dtype must be None or torch.float32 and remote_device None or "none" (parameter offload is set by
+    `offload_param` in the config); other DeepSpeed arguments are accepted and ignored. Raises RuntimeError if the process
     group is not initialised (call `zerospeed.init_distributed()` first), ValueError for an
     unsupported dtype / remote_device.
     """
@@ -180,7 +180,9 @@ class Init:
         if dtype not in (None, torch.float32):
             raise ValueError(f"zerospeed.zero.Init(dtype={dtype}): only fp32 is supported for now")
         if remote_device not in (None, "none"):
-            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}): offload is not supported here")
+            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}) is not supported: Init partitions on "
+                             "the compute device; set zero_optimization.offload_param.device in the config and "
+                             "zerospeed.initialize moves each rank's shards there")
         self.group, self.enabled = data_parallel_group, enabled
         self._hook = None
         self._guard = None
