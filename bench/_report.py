@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 
 MiB = 2**20
-LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed", "zerospeed": "zerospeed", "all": "all systems"}
+LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed", "zerospeed": "zerospeed",
+         "zerospeed_before": "zerospeed before", "all": "all systems"}
 # The ZeRO stage a non-ZeRO system corresponds to (what it holds per rank): for the formula and
 # for the "vs DeepSpeed same stage" ratio.
 EQUIVALENT_STAGE = {"ddp": 0, "fsdp2": 3}
@@ -164,7 +165,8 @@ def chart(rows: list[dict], path: Path, title: str) -> Path | None:
     groups = list(dict.fromkeys((r["model"], r["precision"]) for r in ok))
     if not groups:
         return None
-    colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "deepspeed": "#1f77b4", "zerospeed": "#2ca02c"}
+    colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "deepspeed": "#1f77b4", "zerospeed": "#2ca02c",
+              "zerospeed_before": "#98df8a"}
     n_max = max(sum(1 for r in ok if (r["model"], r["precision"]) == g) for g in groups)
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 0.45 * n_max * len(groups) + 1.5), squeeze=False)
     for (model, prec), (ax_t, ax_m) in zip(groups, axes):

@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="benchmark zerospeed as committed at GIT_REF (its src/ extracted with `git archive` into a "
                         "temp dir and put first on the workers' PYTHONPATH) instead of the working tree: "
                         "for before/after comparisons, or a stable snapshot while others edit src/")
+    p.add_argument("--baseline-ref", metavar="GIT_REF", default=None,
+                   help="also benchmark zerospeed as committed at GIT_REF (rows 'zerospeed before'), interleaved "
+                        "with every other launch: a before/after comparison within one run")
     p.add_argument("--report", metavar="JSON", default=None,
                    help="only re-render the table and chart of a saved bench_zero_<timestamp>.json")
     p.add_argument("--profile", action="store_true",
@@ -91,6 +94,8 @@ def configurations(args) -> list[tuple[str, int]]:
             out.append((system, 0 if system == "ddp" else 3))
         else:
             out.extend((system, s) for s in args.stages)
+    if getattr(args, "baseline_ref", None):
+        out.extend(("zerospeed_before", s) for s in args.stages)
     return out
 
 
@@ -171,7 +176,7 @@ def zerospeed_source(ref: str | None, dest: Path) -> tuple[str | None, str]:
 
 
 def run_all(args, logs: Path, data: Path, configs, total_steps: int,
-            pythonpath: str | None = None) -> tuple[list[dict], bool]:
+            pythonpath: str | None = None, before_pythonpath: str | None = None) -> tuple[list[dict], bool]:
     """Launch every configuration (interleaved repeats); returns (runs, interrupted)."""
     runs, k, n_runs = [], 0, len(args.models) * len(args.precisions) * args.repeats * len(configs)
     try:
@@ -188,7 +193,7 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
                         result = data.parent / f"{name}.json"
                         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node", str(args.world_size), str(HERE / "_worker.py"),
-                               "--system", system, "--stage", str(stage), "--precision", precision,
+                               "--system", "zerospeed" if system == "zerospeed_before" else system, "--stage", str(stage), "--precision", precision,
                                "--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                                "--micro-batch", str(args.micro_batch), "--seed", str(args.seed),
                                "--data", str(data), "--result", str(result), "--launch-time", str(time.time())]
@@ -196,9 +201,10 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
                             cmd += ["--profile", str(logs / f"{name}.profile.txt")]
                         load = os.getloadavg()[0]
                         code, wall = launch(cmd, logs / f"{name}.log", timeout,
-                                            pythonpath if system == "zerospeed" else None)
+                                            {"zerospeed": pythonpath, "zerospeed_before": before_pythonpath}.get(system))
                         if result.exists():
                             run = json.loads(result.read_text())
+                            run["system"] = system
                         else:
                             why = "timed out" if code is None else f"exit code {code}"
                             run = {"system": system, "stage": stage, "precision": precision, "model": model,
@@ -242,7 +248,7 @@ def report(saved: dict, base: Path) -> str:
                     rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
                                  "status": "skipped", "message": "deepspeed not importable"})
     rows.sort(key=lambda r: (list(GPT_SIZES).index(r["model"]), ("fp32", "bf16").index(r["precision"]),
-                             (*SYSTEMS, "all").index(r["system"]), r["stage"]))
+                             (*SYSTEMS, "zerospeed_before", "all").index(r["system"]), r["stage"]))
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
@@ -324,7 +330,12 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         pythonpath, zs_source = zerospeed_source(args.zerospeed_ref, tmp / "zerospeed_ref")
         print(f"bench_zero: zerospeed from {zs_source}", file=sys.stderr, flush=True)
-        runs, interrupted = run_all(args, logs, data, configs, total_steps, pythonpath)
+        before_pythonpath = None
+        if args.baseline_ref:
+            before_pythonpath, before_source = zerospeed_source(args.baseline_ref, tmp / "zerospeed_before")
+            zs_source += f"; 'zerospeed before' from {before_source}"
+            print(f"bench_zero: 'zerospeed before' from {before_source}", file=sys.stderr, flush=True)
+        runs, interrupted = run_all(args, logs, data, configs, total_steps, pythonpath, before_pythonpath)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     saved = {"stamp": stamp, "args": vars(args), "peak_flops": peak, "elapsed_s": time.time() - t_start,
