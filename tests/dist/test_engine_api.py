@@ -113,9 +113,9 @@ def test_config_errors_come_before_any_process_group():
 
 
 def test_unimplemented_features_say_so():
-    with pytest.raises(NotImplementedError, match="offload_optimizer.device='cpu'"):
+    with pytest.raises(NotImplementedError, match="offload_optimizer.ratio=0.5"):
         zerospeed.initialize(model=tiny_gpt(), config={"train_batch_size": 8, "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+            "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
     with pytest.raises(NotImplementedError, match="bf16_master_weights_and_grads"):
         zerospeed.initialize(model=tiny_gpt(), config={"train_batch_size": 8, "zero_optimization": {"stage": 1},
                                                        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})

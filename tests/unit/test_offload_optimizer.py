@@ -114,3 +114,15 @@ def test_policy_from_config_and_unsupported_keys():
         zerospeed.initialize(model=model, config={"train_batch_size": 1, "aio": {"use_gds": True}})
     with pytest.raises(ValueError, match="offload_param.device"):
         zerospeed.zero.Init(remote_device="cpu")
+
+
+def test_param_swapper_beyond_the_pool(swap):
+    """More shards in use at once than buffers (many all-gathers in flight): extra buffers, no error."""
+    ps = ParamSwapper(swap, buffer_count=2, buffer_size=10, max_in_cpu=0, dtype=torch.float32)
+    for i in range(4):
+        ps.add(i, torch.full((10,), float(i)))
+    held = [ps.acquire(i) for i in range(4)]
+    assert [float(h[0]) for h in held] == [0.0, 1.0, 2.0, 3.0] and ps.extra_allocations == 2
+    for i in range(4):
+        ps.release(i)
+    assert ps.pool.free_count == 2 and not ps._extra

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .aio import aligned_empty
 from .swap import BufferPool, SwapSpace
 
 __all__ = ["ParamSwapper"]
@@ -42,6 +43,8 @@ class ParamSwapper:
         self._last: int | None = None
         self.prefetch_depth = count - 2
         self.reads_done = 0  # number of shard reads issued (tests and benchmarks)
+        self._extra: set[int] = set()  # storages of buffers allocated beyond the pool (freed on release)
+        self.extra_allocations = 0
 
     @staticmethod
     def key(i: int) -> str:
@@ -88,7 +91,7 @@ class ParamSwapper:
         self.users[i] -= 1
         if not self.users[i]:
             del self.users[i]
-            self.pool.release(self.live.pop(i))
+            self._give_back(self.live.pop(i))
 
     def store(self, i: int, values: torch.Tensor) -> None:
         """Unit i's shard has new values (after an optimizer step or a modifier-rank edit): write them."""
@@ -119,13 +122,20 @@ class ParamSwapper:
         entry = self.writes.pop(i, None)
         if entry is not None:
             entry[0].wait()
-            self.pool.release(entry[1])
+            self._give_back(entry[1])
 
     def _drop(self, i: int) -> None:
         handle = self.reads.pop(i, None)
         if handle is not None:
             handle.wait()
-        self.pool.release(self.live.pop(i))
+        self._give_back(self.live.pop(i))
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        ptr = buf.untyped_storage().data_ptr()
+        if ptr in self._extra:
+            self._extra.discard(ptr)  # freed with its last reference
+        else:
+            self.pool.release(buf)
 
     def _load(self, i: int) -> None:
         self._wait_write(i)
@@ -135,7 +145,10 @@ class ParamSwapper:
         self.reads_done += 1
 
     def _take(self, n: int) -> torch.Tensor:
-        """A pool buffer view of n elements; frees finished writes, then prefetched-but-unused shards."""
+        """A pool buffer view of n elements; frees finished writes, then prefetched-but-unused shards.
+        If every buffer holds a shard whose all-gather is still in flight (the stage-3 prefetch keeps
+        more units gathering than `buffer_count`), a temporary buffer is allocated beyond the pool:
+        that memory is bounded by the gathers in flight, whose full buffers are N times larger."""
         for i in [i for i, (h, _) in self.writes.items() if h.done()]:
             self._wait_write(i)
         if self.pool.free_count == 0:
@@ -144,6 +157,11 @@ class ParamSwapper:
                 self._drop(idle[0])
             else:
                 self.drain()
+        if self.pool.free_count == 0:
+            buf = aligned_empty(n, self.dtype)
+            self._extra.add(buf.untyped_storage().data_ptr())
+            self.extra_allocations += 1
+            return buf
         return self.pool.acquire(n)
 
     def _prefetch(self, i: int) -> None:

@@ -68,7 +68,10 @@ class Stage12Strategy(ZeroStrategy):
     all-gather limit) plus N - 1. average: divide the summed gradients by N (`gradient_allreduce_op`
     mean). predivide_factor: DeepSpeed's `gradient_predivide_factor`. policy: the mixed-precision
     policy (parameters must already be in its param_dtype). master_values: {id(param): original
-    fp32 value} for the masters (default: the parameters' current values, upcast).
+    fp32 value} for the masters (default: the parameters' current values, upcast). offload: an
+    `offload.OffloadContext` or None; with `offload_optimizer.device` "cpu" the master is a separate
+    fp32 [K, S] tensor on the host (its `.grad` a host copy of the partition gradient), with "nvme"
+    it lives in swap files and a `SwappedOptimizer` steps it tile by tile (`master` is then None).
     Raises ValueError (no trainable parameters; wrong optimizer), TypeError (mixed dtypes or devices;
     an optimizer that cannot be built over the partition), NotImplementedError (reduce_scatter=false,
     allgather_partitions=false).
