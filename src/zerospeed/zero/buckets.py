@@ -7,6 +7,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Elements per bucket for stage 0 when the config leaves `reduce_bucket_size` unset: 25 MiB of fp32,
+# PyTorch DDP's `bucket_cap_mb` default. DeepSpeed's 5e8 exceeds any model under 500M parameters, so
+# its one all-reduce can start only after backward ends (profiled: 122 ms waited after backward,
+# small GPT, 10.8M parameters); with 25 MiB buckets all but the last overlap backward, as in DDP.
+DEFAULT_BUCKET_SIZE = 25 * 2**20 // 4
+
+
+def stage0_bucket_size(configured: int, user_set: bool) -> int:
+    """The stage-0 all-reduce bucket size: `configured` (`reduce_bucket_size`, DeepSpeed semantics,
+    even its 5e8) when the user set it, else DEFAULT_BUCKET_SIZE (the key was absent:
+    `"reduce_bucket_size" not in zero_cfg.model_fields_set`). Raises ValueError if configured < 1."""
+    if configured < 1:
+        raise ValueError(f"reduce_bucket_size must be >= 1 element, got {configured}")
+    return int(configured) if user_set else DEFAULT_BUCKET_SIZE
+
 
 @dataclass(frozen=True)
 class BucketSlot:
@@ -33,9 +48,9 @@ def plan_buckets(numels: list[int], bucket_size: int, *, reverse: bool = True) -
     """Group parameters (given by element counts, in module registration order) into buckets.
 
     Parameters are taken in reverse order by default, the order backward produces gradients in,
-    so the first bucket fills first (as in PyTorch DDP, Li et al. 2020, §3.2.3). A bucket is closed
-    once it holds at least `bucket_size` elements; a parameter larger than `bucket_size` gets a
-    bucket of its own. Raises ValueError if bucket_size < 1.
+    so the first bucket fills first (as in PyTorch DDP, Li et al. 2020, §3.2.3). A parameter joins
+    the open bucket unless that would take it past `bucket_size` elements; a parameter larger than
+    `bucket_size` gets a bucket of its own. Raises ValueError if bucket_size < 1.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
