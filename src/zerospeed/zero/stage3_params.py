@@ -236,7 +236,7 @@ class ShardedUnit:
                      predivide: float) -> tuple[CommHandle, torch.Tensor, torch.Tensor]:
         """Flatten the full gradients (None counts as zeros) into `reduce_dtype`, drop them from the
         parameters and start the reduce-scatter. Returns (handle, output [shard_numel], flat input [padded])."""
-        flat = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.shard.device)
+        flat = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.full.device)
         for sp in self.params:
             g, dst = sp.param.grad, flat[sp.offset:sp.offset + sp.numel]
             if g is None:
@@ -247,8 +247,9 @@ class ShardedUnit:
         flat[self.layout.total:].zero_()
         if predivide != 1.0:
             flat.div_(predivide)
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.shard.device)
-        return start_reduce_scatter(out, flat, group=group, logger=logger), out, flat
+        start, end = self.layout.rank_range(self.rank)
+        out = flat[start:end]  # in place: flat is scratch (gloo then all-reduces it without a copy)
+        return start_reduce_scatter(out, flat, group=group, logger=logger, input_is_scratch=True), out, flat
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
         """shard.grad += reduced / post (post = world size for averaging); a bf16/fp16 `reduced` is
