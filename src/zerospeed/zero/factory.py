@@ -34,8 +34,11 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
     params = [p for p in module.parameters() if p.requires_grad]
     if stage == 0:
         names = {id(p): n for n, p in module.named_parameters()}
-        return DataParallelStrategy(params, make_optimizer, group=group,
-                                    bucket_size=int(zero_cfg.reduce_bucket_size),
+        from .buckets import stage0_bucket_size
+
+        # an unset reduce_bucket_size means DDP's 25 MiB buckets at stage 0 (same sums, overlapped)
+        bucket = stage0_bucket_size(int(zero_cfg.reduce_bucket_size), "reduce_bucket_size" in zero_cfg.model_fields_set)
+        return DataParallelStrategy(params, make_optimizer, group=group, bucket_size=bucket,
                                     average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
                                     logger=logger, policy=policy, names=[names[id(p)] for p in params],
                                     master_values=master_values)
