@@ -1,0 +1,260 @@
+"""One offload benchmark run, on every rank (started by `bench_offload.py` through torchrun).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/_offload_worker.py \
+        --system zerospeed --mode nvme --model base --nvme-path DIR --data batches.pt --result out.json
+
+ZeRO stage 3, fp32, AdamW (bench/_systems.py's settings), `--mode` mem | cpu | nvme (optimizer and
+parameters both in memory / host / NVMe). `--model base` is zerospeed.testing's GPT (built whole on
+every rank after the seed, as in bench_zero.py); `--model big:LxD` is `InitGPT` (L blocks of width
+D, untied head) built under `zerospeed.zero.Init()` / `deepspeed.zero.Init(config_dict_or_path=cfg)`
+so no rank ever holds the whole model. Rank 0 writes one JSON object: per-step wall / CPU times
+(max over ranks), losses, peak and start RSS of every rank, and per rank the disk bytes of the
+timed steps (/proc/self/io read_bytes / write_bytes, both systems) and, for zerospeed, the counters
+of `engine.offload.aio` plus the time at least one of its requests was in flight (`busy_s`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _systems import _ds_config, _EngineRunner, all_gather_floats  # noqa: E402
+from _worker import peak_rss_bytes  # noqa: E402
+
+from zerospeed.testing.models import GPT, GPT_SIZES, Block, GPTConfig  # noqa: E402
+
+
+class InitGPT(GPT):
+    """zerospeed.testing's GPT, but every weight is initialised by its own layer's constructor
+    (PyTorch defaults) and the head is untied, so it can be built under ZeRO-3 Init. forward: GPT's."""
+
+    def __init__(self, cfg: GPTConfig):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+
+def model_config(name: str, seq_len: int) -> GPTConfig:
+    """'base' -> GPT_SIZES['base']; 'big:LxD' -> L layers of width D (D/128 heads), no bias, untied."""
+    if name in GPT_SIZES:
+        return GPT_SIZES[name]
+    layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
+    return GPTConfig(vocab_size=256, seq_len=seq_len, n_layer=layers, n_head=max(1, width // 128),
+                     d_model=width, bias=False, tie_weights=False)
+
+
+def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path: str, buffer_size: int) -> dict:
+    """bench/_systems.py's stage-3 fp32 config plus the offload sections (the same for both systems)."""
+    cfg = _ds_config(stage=3, precision="fp32", micro_batch=micro, world_size=world, deepspeed=system == "deepspeed")
+    zero = cfg["zero_optimization"]
+    zero.update(sub_group_size=10_000_000)
+    if mode == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_param"] = {"device": "cpu"}
+    elif mode == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": False,
+                                     "pipeline_write": False, "buffer_count": 4}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
+                                 "buffer_size": buffer_size, "max_in_cpu": 0}
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                      "overlap_events": True}
+    if system == "deepspeed" and mode != "mem":
+        cfg["zero_force_ds_cpu_optimizer"] = False  # keep torch AdamW (no JIT-built CPU Adam), as bench_zero
+    return cfg
+
+
+class _Busy:
+    """Wall seconds during which at least one AsyncIO request of this process was in flight: any,
+    reads only, writes only (`seconds`, `read_s`, `write_s`)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.inflight, self.since, self.secs = [0, 0, 0], [0.0] * 3, [0.0] * 3  # any, read, write
+        self.wait_s = 0.0  # time the training thread spent blocked in IOHandle.wait()
+
+    seconds = property(lambda self: self.secs[0])
+    read_s = property(lambda self: self.secs[1])
+    write_s = property(lambda self: self.secs[2])
+
+    def _mark(self, kinds, delta):
+        now = time.perf_counter()
+        with self.lock:
+            for k in kinds:
+                self.inflight[k] += delta
+                if delta > 0 and self.inflight[k] == 1:
+                    self.since[k] = now
+                elif delta < 0 and self.inflight[k] == 0:
+                    self.secs[k] += now - self.since[k]
+
+    def install(self):
+        from zerospeed.offload import aio
+
+        run, busy = aio.AsyncIO._run, self
+
+        def timed_run(io, req, spans):
+            kinds = (0, 2 if req.write else 1)
+            busy._mark(kinds, 1)
+            try:
+                return run(io, req, spans)
+            finally:
+                busy._mark(kinds, -1)
+        aio.AsyncIO._run = timed_run
+        wait = aio.IOHandle.wait
+
+        def timed_wait(handle):
+            t = time.perf_counter()
+            try:
+                return wait(handle)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    busy.wait_s += time.perf_counter() - t
+        aio.IOHandle.wait = timed_wait
+
+
+def proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process made the storage layer move so far (O_DIRECT included)."""
+    vals = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(vals["read_bytes"]), int(vals["write_bytes"])
+
+
+def build(args, world: int, cfg: dict, mcfg: GPTConfig):
+    torch.manual_seed(args.seed)
+    if args.system == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # else Init's config sees world size 1
+        if args.model in GPT_SIZES:
+            model = GPT(mcfg)
+            if args.mode == "nvme":  # DeepSpeed's own Init of an fp32 model with params on NVMe picks bf16
+                deepspeed.zero.Init(module=model, config_dict_or_path=cfg)  # on this CPU accelerator: convert here
+            return model
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            return InitGPT(mcfg)
+    if args.model in GPT_SIZES:
+        return GPT(mcfg)
+    import zerospeed
+
+    with zerospeed.zero.Init():
+        return InitGPT(mcfg)
+
+
+def run(args, rank: int, world: int, busy: _Busy) -> dict:
+    rss_start = peak_rss_bytes()
+    batches = torch.load(args.data, weights_only=True)
+    total = args.warmup + args.steps
+    mine = batches[rank, :total, :args.micro_batch].long().clone()
+    del batches
+    mcfg = model_config(args.model, mine.shape[-1] - 1)
+    d = mcfg.d_model  # DeepSpeed: >= the largest parameter; zerospeed: >= a block's shard per rank
+    largest = max(4 * d * d, mcfg.vocab_size * d, (12 * d * d + 16 * d) // world + 4096)
+    cfg = offload_config(system=args.system, mode=args.mode, micro=args.micro_batch, world=world,
+                         nvme_path=args.nvme_path, buffer_size=largest)
+    model = build(args, world, cfg, mcfg)
+    n_params = mcfg.num_params()
+    t0 = time.perf_counter()
+    runner = _EngineRunner()
+    if args.system == "deepspeed":
+        import logging
+
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        runner.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        import zerospeed
+
+        runner.engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    setup_s = time.perf_counter() - t0
+    offload = getattr(runner.engine, "offload", None) if args.system == "zerospeed" else None
+    aio = offload.aio if offload is not None else None
+    step_s, cpu_s, losses = [], [], []
+    io0 = None
+
+    def counters():
+        return (*proc_io(), busy.seconds, busy.read_s, busy.write_s, busy.wait_s,
+                *((aio.bytes_read, aio.bytes_written, aio.read_seconds, aio.write_seconds) if aio else (0, 0, 0, 0)))
+    for i in range(total):
+        if i == args.warmup:
+            io0 = counters()
+        x, y = mine[i, :, :-1], mine[i, :, 1:]
+        t, c = time.perf_counter(), time.process_time()
+        loss = runner.forward_backward(x, y)
+        runner.step()
+        step_s.append(time.perf_counter() - t)
+        cpu_s.append(time.process_time() - c)
+        losses.append(float(loss.detach().float()))
+        print(f"rank {rank} step {i}: {step_s[-1]:.2f} s loss {losses[-1]:.4f}", flush=True)
+    io1 = counters()
+    io = [b - a for a, b in zip(io0, io1)]
+    disk = offload.disk_bytes() if offload is not None else 0
+    times, cpus, loss_ranks = all_gather_floats(step_s), all_gather_floats(cpu_s), all_gather_floats(losses)
+    per_rank = all_gather_floats([peak_rss_bytes(), rss_start, setup_s, disk, *io])
+    if hasattr(runner.engine, "destroy"):
+        runner.engine.destroy()
+    keys = ["disk_read", "disk_written", "aio_busy_s", "aio_busy_read_s", "aio_busy_write_s", "aio_wait_s", "aio_read",
+            "aio_written", "aio_read_s", "aio_write_s"]
+    return {"status": "ok", "n_params": n_params, "d_model": mcfg.d_model, "n_layer": mcfg.n_layer,
+            "step_s": [max(r[i] for r in times) for i in range(total)],
+            "cpu_s": [max(r[i] for r in cpus) for i in range(total)],
+            "losses": [sum(r[i] for r in loss_ranks) / world for i in range(total)],
+            "peak_rss_bytes": [r[0] for r in per_rank], "start_rss_bytes": [r[1] for r in per_rank],
+            "setup_s": max(r[2] for r in per_rank), "swap_bytes": [r[3] for r in per_rank],
+            "io": [dict(zip(keys, r[4:])) for r in per_rank], "has_aio_counters": aio is not None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=["zerospeed", "deepspeed"], required=True)
+    p.add_argument("--mode", choices=["mem", "cpu", "nvme"], required=True)
+    p.add_argument("--model", default="base", help="base | big:LAYERSxWIDTH")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nvme-path", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--result", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
+    busy = _Busy()
+    if args.system == "zerospeed":
+        busy.install()
+    meta = {"system": args.system, "mode": args.mode, "model": args.model, "world_size": world,
+            "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch}
+    try:
+        result, code = run(args, rank, world, busy), 0
+    except Exception as e:  # noqa: BLE001 - reported in the table, the benchmark goes on
+        result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(result["traceback"], file=sys.stderr, flush=True)
+        code = 1
+    if rank == 0:
+        tmp = Path(args.result).with_suffix(".tmp")
+        tmp.write_text(json.dumps({**meta, **result}))
+        tmp.replace(args.result)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
