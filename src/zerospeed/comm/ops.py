@@ -90,11 +90,17 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
     holding the other ranks' sums. Still counted and profiled as this reduce-scatter."""
     started = time.perf_counter()
     with record_function("zerospeed::reduce_scatter"):
-        if input_is_scratch and _is_own_slice(output, input, group) and dist.get_backend(group) == dist.Backend.GLOO:
+        if input_is_scratch and reduce_scatter_is_all_reduce(group) and _is_own_slice(output, input, group):
             work = dist.all_reduce(input, op=op, group=group, async_op=True)
         else:
             work = _reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _handle("reduce_scatter", work, input, logger, started)
+
+
+def reduce_scatter_is_all_reduce(group) -> bool:
+    """True where `start_reduce_scatter(..., input_is_scratch=True)` runs an in-place all-reduce (gloo
+    implements reduce-scatter as clone + all-reduce): every rank then holds the whole sum."""
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 def _is_own_slice(output: torch.Tensor, input: torch.Tensor, group) -> bool:

@@ -27,41 +27,23 @@ buffer, whose views are the parameters' `.grad`); `reduce_dtype`, the collective
 On gloo a reduce-scatter is a clone of its whole input, an all-reduce of the clone and a copy of
 this rank's slice out of it (profiled: a Ψ-element allocation + copy per step, and about twice
 the time of an all-reduce of the same buffer). Where the input is ours to overwrite (stage 2's
-scratch, stage 1's flat gradient or its cast temporary), `_ChunkReducer` therefore all-reduces it
-in place instead (`in_place`): the same gloo all-reduce and the same sums, without the clone. It
+scratch, stage 1's flat gradient or its cast temporary), `_ChunkReducer` passes
+`input_is_scratch=True` to `comm.ops.start_reduce_scatter`, which then all-reduces it in place
+(`in_place`): the same gloo all-reduce and the same sums, without the clone. It
 is still counted as the logical reduce-scatter (input elements). Stage 1 then divides the whole
 chunk, so every `.grad` holds the averaged global gradient (as under stage 0), not only this
 rank's shard.
 """
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
-from torch.profiler import record_function
 
 from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, start_reduce_scatter
+from ..comm.ops import CommHandle, reduce_scatter_is_all_reduce, start_reduce_scatter
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
 
 MAX_CHUNKS_IN_FLIGHT = 2  # stage 2: chunks reduced concurrently (each holds an L-element scratch buffer)
-
-
-def reduce_scatter_is_all_reduce(group) -> bool:
-    """True where the backend implements reduce-scatter as clone + all-reduce (gloo), so an in-place
-    all-reduce of a buffer we may overwrite gives the same sums for less."""
-    return dist.get_backend(group) == dist.Backend.GLOO
-
-
-def start_reduce_scatter_in_place(chunk: torch.Tensor, *, group, logger: CommsLogger | None) -> CommHandle:
-    """The reduce-scatter of `chunk` done as an in-place all-reduce (every rank gets the whole sum,
-    its own slice included); profiled and counted as the reduce-scatter it replaces."""
-    started = time.perf_counter()
-    with record_function("zerospeed::reduce_scatter"):
-        work = dist.all_reduce(chunk, group=group, async_op=True)
-    return CommHandle("reduce_scatter", work, chunk.numel(), chunk.numel() * chunk.element_size(), started, logger)
 
 
 class _ChunkReducer(OrderedBucketHooks):
@@ -96,8 +78,7 @@ class _ChunkReducer(OrderedBucketHooks):
         if self.predivide != 1.0:
             send.div_(self.predivide)
         out = self._own(send)
-        handle = start_reduce_scatter_in_place(send, group=self.group, logger=self.logger) if self.in_place else \
-            start_reduce_scatter(out, send, group=self.group, logger=self.logger)
+        handle = start_reduce_scatter(out, send, group=self.group, logger=self.logger, input_is_scratch=True)
         self._inflight.append((chunk, handle, out))
 
     def _complete_oldest(self) -> None:
