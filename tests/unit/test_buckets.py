@@ -1,7 +1,7 @@
 """Bucket plans (zero/buckets.py): pure functions, no processes."""
 import pytest
 
-from zerospeed.zero.buckets import DEFAULT_BUCKET_SIZE, plan_buckets, stage0_bucket_size
+from zerospeed.zero.buckets import DEFAULT_BUCKET_SIZE, plan_buckets, bucket_elements
 
 
 def test_reverse_order_and_size_limit():
@@ -16,10 +16,10 @@ def test_parameter_larger_than_bucket_gets_its_own():
         plan_buckets([1, 2], 0)
 
 
-def test_stage0_bucket_size_honours_a_set_key_and_picks_the_default_otherwise():
+def test_bucket_elements_honours_a_set_key_and_picks_the_default_otherwise():
     assert DEFAULT_BUCKET_SIZE == 6_553_600  # 25 MiB of fp32, DDP's bucket_cap_mb
-    assert stage0_bucket_size(500_000_000, user_set=True) == 500_000_000  # DeepSpeed's value, given explicitly
-    assert stage0_bucket_size(500_000_000, user_set=False) == DEFAULT_BUCKET_SIZE
-    assert stage0_bucket_size(20_000, user_set=True) == 20_000
+    assert bucket_elements(500_000_000, user_set=True) == 500_000_000  # DeepSpeed's value, given explicitly
+    assert bucket_elements(500_000_000, user_set=False) == DEFAULT_BUCKET_SIZE
+    assert bucket_elements(20_000, user_set=True) == 20_000
     with pytest.raises(ValueError, match="reduce_bucket_size"):
-        stage0_bucket_size(0, user_set=True)
+        bucket_elements(0, user_set=True)

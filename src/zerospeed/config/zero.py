@@ -133,7 +133,9 @@ class ZeroConfig(ConfigModel):
     reduce_scatter: bool = True
     """Reduce gradients with reduce-scatter instead of all-reduce (stages 1-2)."""
     reduce_bucket_size: int = Field(500_000_000, gt=0)
-    """Elements reduced per gradient bucket (default 5e8 elements, not bytes)."""
+    """Elements reduced per gradient bucket (default 5e8 elements, not bytes). zerospeed: when the key
+    is absent, stages 0-2 use PyTorch DDP's 25 MiB buckets instead (`zero.buckets.bucket_elements`):
+    5e8 is a single bucket, so no reduction overlaps backward; the sums are the same."""
     use_multi_rank_bucket_allreduce: bool = True
     """Combine the ranks' reduce buckets into one all-reduce."""
     allgather_partitions: bool = True

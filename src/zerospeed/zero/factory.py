@@ -9,6 +9,7 @@ from torch import nn
 
 from ..comm.logger import CommsLogger
 from ..precision import MixedPrecisionPolicy
+from .buckets import bucket_elements
 from .strategy import DataParallelStrategy, ZeroStrategy
 
 # Builds the optimizer over whatever tensors the strategy hands it (full parameters for stage 0,
@@ -32,12 +33,10 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
     """
     policy = policy or MixedPrecisionPolicy()
     params = [p for p in module.parameters() if p.requires_grad]
+    # an unset reduce_bucket_size means DDP's 25 MiB buckets (same sums, overlapped with backward)
+    bucket = bucket_elements(int(zero_cfg.reduce_bucket_size), "reduce_bucket_size" in zero_cfg.model_fields_set)
     if stage == 0:
         names = {id(p): n for n, p in module.named_parameters()}
-        from .buckets import stage0_bucket_size
-
-        # an unset reduce_bucket_size means DDP's 25 MiB buckets at stage 0 (same sums, overlapped)
-        bucket = stage0_bucket_size(int(zero_cfg.reduce_bucket_size), "reduce_bucket_size" in zero_cfg.model_fields_set)
         return DataParallelStrategy(params, make_optimizer, group=group, bucket_size=bucket,
                                     average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
                                     logger=logger, policy=policy, names=[names[id(p)] for p in params],
@@ -46,7 +45,7 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
         from .stage12 import Stage12Strategy
 
         return Stage12Strategy(module, params, make_optimizer, stage=stage, group=group,
-                               reduce_bucket_size=int(zero_cfg.reduce_bucket_size),
+                               reduce_bucket_size=bucket,
                                allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
                                reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
                                average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
