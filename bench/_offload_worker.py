@@ -70,8 +70,12 @@ def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path:
     elif mode == "nvme":
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": False,
                                      "pipeline_write": False, "buffer_count": 4}
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
+        # DeepSpeed holds one buffer per parameter in flight (prefetched ones included): with 5 buffers and
+        # its default prefetch (5e7 elements) it fails ("Not enough buffers 0 for swapping 1")
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 16,
                                  "buffer_size": buffer_size, "max_in_cpu": 0}
+        # ... and still with 16 buffers while it keeps parameters gathered for reuse (stage3_max_reuse_distance 1e9)
+        zero.update(stage3_prefetch_bucket_size=buffer_size, stage3_max_reuse_distance=0)
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                       "overlap_events": True}
     if system == "deepspeed" and mode != "mem":

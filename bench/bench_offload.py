@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--report", metavar="JSON", default=None, help="only re-render a saved run")
+    p.add_argument("--add-runs", metavar="JSON", nargs="*", default=[],
+                   help="per-launch result files of an earlier invocation to report with this one (marked in the "
+                        "JSON; their load and raw bandwidth are not this run's)")
     return p.parse_args(argv)
 
 
@@ -342,10 +345,14 @@ def main(argv=None) -> int:
         write_batches(data, world=2, steps=max(args.steps + args.warmup, args.big_steps + args.big_warmup),
                       micro=args.micro_batch, seq_len=args.seq, seed=args.seed)
         runs = run_all(args, stamp, logs, data, ds_skip)
+    for f in args.add_runs:
+        r = json.loads(Path(f).read_text())
+        runs.append({**r, "repeat": 0, "added_from": f, "load_avg_1min": r.get("load_avg_1min", float("nan")),
+                     "swap_left_bytes": r.get("swap_left_bytes", 0)})
     agg = aggregate(runs)
     saved = {"stamp": stamp, "args": vars(args), "raw": raw, "runs": runs, "minutes": (time.time() - t0) / 60,
              "agg": {"|".join(k): v for k, v in agg.items()},
-             "loads": [r.get("load_avg_1min", 0.0) for r in runs] or [0.0],
+             "loads": [r["load_avg_1min"] for r in runs if "added_from" not in r] or [0.0],
              "machine": f"{os.cpu_count()} cores, {mem_total / GiB:.1f} GiB RAM, {disk_free / 1e9:.0f} GB free disk",
              "largest": largest_trainable(agg, mem_total, disk_free)}
     base = out / f"bench_offload_{stamp}"
