@@ -69,25 +69,42 @@ def test_write_master_then_step(swap):
     assert torch.equal(out, torch.arange(10.0) - 0.5)
 
 
-def test_param_swapper_prefetch_and_store(swap):
-    """Shards round-trip through the pool; after one pass, acquiring unit i prefetches its successors;
-    store() invalidates a stale prefetched copy; max_in_cpu keeps the first units resident."""
+def test_param_swapper_cache_prefetch_and_store(swap):
+    """The pool caches shards (a second pass over units that fit reads nothing); with fewer buffers
+    than units, acquiring unit i reads its learned successor ahead; store() updates the cached copy
+    and the file; max_in_cpu keeps the first units resident; a shard larger than a buffer is refused."""
     shards = [torch.full((100,), float(i)) for i in range(5)]
     ps = ParamSwapper(swap, buffer_count=4, buffer_size=100, max_in_cpu=100, dtype=torch.float32)
     kept = [ps.add(i, s.clone()) for i, s in enumerate(shards)]
     assert kept[0] is not None and all(k is None for k in kept[1:])  # 100 elements of budget: unit 0
-    prefetched = []
     for _ in range(2):
         for i in range(5):
+            assert torch.equal(ps.acquire(i), shards[i])
+            ps.release(i)
+    assert ps.reads_done == 4  # pass 1 read units 1-4 once; pass 2 found them all in the pool
+
+    ps = ParamSwapper(swap, buffer_count=3, buffer_size=100, max_in_cpu=0, dtype=torch.float32)  # read-ahead 1
+    for i, s in enumerate(shards[1:], 1):
+        ps.add(i, s.clone())
+    prefetched = []
+    for _ in range(2):
+        for i in range(1, 5):
             prefetched.append(i in ps.live)
             assert torch.equal(ps.acquire(i), shards[i])
             ps.release(i)
-    # pass 1 learns the order (4 demand reads); in pass 2 unit 1 is read on demand (4 -> 1 was not known
-    # yet) and every later unit had been read ahead: 1 demand read + 5 read-aheads (depth 2 = pool 4 - 2)
-    assert prefetched == [False] * 7 + [True] * 3 and ps.reads_done == 4 + 1 + 5
-    assert set(ps.live) == {1, 2}  # acquiring 4 read ahead its successors 1 (wraps around) and 2
-    ps.store(2, torch.full((100,), -2.0))  # stale prefetched copy dropped, new value written
+    # pass 1: 4 demand reads (3 buffers: unit 4 evicts unit 1); pass 2: unit 1 on demand (4 -> 1 was not
+    # known yet), every later unit read ahead by its predecessor, and 4 reads ahead 1 again
+    assert prefetched == [False] * 5 + [True] * 3 and ps.reads_done == 4 + 1 + 4
+    ps.store(2, torch.full((100,), -2.0))
+    assert 2 in ps.live and 3 not in ps.live
+    # unit 2 comes from its updated cached copy; the one new read is unit 3, read ahead
+    assert torch.equal(ps.acquire(2), torch.full((100,), -2.0)) and ps.reads_done == 10 and 3 in ps.live
+    ps.release(2)
+    for i in (3, 4, 1):  # push unit 2 out of the pool, then read it back from its file
+        ps.acquire(i)
+        ps.release(i)
     ps.drain()
+    ps._evict(2) if 2 in ps.live else None
     assert torch.equal(ps.acquire(2), torch.full((100,), -2.0))
     ps.release(2)
     with pytest.raises(ValueError, match="buffer_size"):
@@ -125,4 +142,4 @@ def test_param_swapper_beyond_the_pool(swap):
     assert [float(h[0]) for h in held] == [0.0, 1.0, 2.0, 3.0] and ps.extra_allocations == 2
     for i in range(4):
         ps.release(i)
-    assert ps.pool.free_count == 2 and not ps._extra
+    assert not ps._extra and len(ps.live) == 2  # the temporaries are freed, the pool keeps its 2 shards

@@ -1,12 +1,15 @@
 """ZeRO-Infinity's parameter tier: each rank's ZeRO-3 parameter shards on NVMe between all-gathers.
 
 ZeRO-Infinity, Rajbhandari et al. 2021, §5.1 and §6.2: a gather unit's shard (in the parameter
-dtype) is read from its swap file into a buffer of a fixed pool just before the unit's all-gather,
-and the buffer is returned as soon as the all-gather finishes; reads run ahead of use along the
-order in which units were last requested (learned as a successor map, so forward and backward
-orders are both followed). The shards change only at the optimizer step, which writes them back.
-Up to `max_in_cpu` elements of shards (first units first) stay resident in host memory instead,
-as DeepSpeed's `offload_param.max_in_cpu` does.
+dtype) lives in a swap file and is read into a buffer of a fixed pool just before the unit's
+all-gather; reads run ahead of use along the order in which units were last requested (learned as
+a successor map, so forward and backward orders are both followed). The pool doubles as a cache:
+a buffer keeps its shard after the all-gather until the buffer is needed for another one (least
+recently used first), so a backward right after its forward, or a forward right after the step
+that wrote the shard, reads nothing when the pool is large enough. Shards change only at the
+optimizer step, which writes them through (asynchronously) from their buffer. Up to `max_in_cpu`
+elements of shards (first units first) stay resident in host memory instead, as DeepSpeed's
+`offload_param.max_in_cpu` does.
 """
 from __future__ import annotations
 
@@ -34,16 +37,16 @@ class ParamSwapper:
                                name="zero_optimization.offload_param.buffer_size")
         self.budget = max_in_cpu
         self.kept: dict[int, torch.Tensor] = {}   # resident for good (max_in_cpu)
-        self.live: dict[int, torch.Tensor] = {}   # read (or being read) into a pool buffer
-        self.reads: dict[int, object] = {}
-        self.writes: dict[int, tuple[object, torch.Tensor]] = {}
+        self.live: dict[int, torch.Tensor] = {}   # in a pool buffer (valid, or being read); LRU order
+        self.reads: dict[int, object] = {}        # reads in flight into live buffers
+        self.writes: dict[int, object] = {}       # writes in flight out of live buffers
         self.users: dict[int, int] = {}
         self.successor: dict[int, int] = {}
         self.numel: dict[int, int] = {}
         self._last: int | None = None
         self.prefetch_depth = count - 2
         self.reads_done = 0  # number of shard reads issued (tests and benchmarks)
-        self._extra: set[int] = set()  # storages of buffers allocated beyond the pool (freed on release)
+        self._extra: set[int] = set()  # storages of buffers allocated beyond the pool (freed on eviction)
         self.extra_allocations = 0
 
     @staticmethod
@@ -60,7 +63,7 @@ class ParamSwapper:
             self.kept[i] = values
             return values
         self.store(i, values)
-        self.drain()
+        self._evict(i)  # building: keep the pool free for the units still to come
         return None
 
     def swapped(self, i: int) -> bool:
@@ -68,8 +71,8 @@ class ParamSwapper:
 
     # -- use -------------------------------------------------------------------------------------
     def acquire(self, i: int) -> torch.Tensor:
-        """Unit i's shard in host memory (read now if no prefetch brought it); start reads of the units
-        expected next. Pair with release(i)."""
+        """Unit i's shard in host memory (read now unless cached or prefetched); start reads of the
+        units expected next. Pair with release(i)."""
         if i in self.kept:
             return self.kept[i]
         if self._last is not None and self._last != i:
@@ -80,36 +83,40 @@ class ParamSwapper:
         handle = self.reads.pop(i, None)
         if handle is not None:
             handle.wait()
+        self.live[i] = self.live.pop(i)  # most recently used
         self.users[i] = self.users.get(i, 0) + 1
         self._prefetch(i)
         return self.live[i]
 
     def release(self, i: int) -> None:
-        """Done with unit i's shard (its all-gather finished): the buffer goes back to the pool."""
+        """Done with unit i's shard (its all-gather finished); a pool buffer stays a cached copy."""
         if i in self.kept:
             return
         self.users[i] -= 1
         if not self.users[i]:
             del self.users[i]
-            self._give_back(self.live.pop(i))
+            if self.live[i].untyped_storage().data_ptr() in self._extra:  # never cache beyond the pool
+                self._evict(i)
 
     def store(self, i: int, values: torch.Tensor) -> None:
-        """Unit i's shard has new values (after an optimizer step or a modifier-rank edit): write them."""
+        """Unit i's shard has new values (after an optimizer step or a modifier-rank edit): put them in
+        its buffer (a cached copy stays valid) and start writing them to disk."""
         if i in self.kept:
             self.kept[i].copy_(values)
             return
-        if i in self.live:  # a prefetched copy is now stale
-            if self.users.get(i):  # in use right now (its read already waited): update it in place
-                self.live[i].copy_(values)
-            else:
-                self._drop(i)
         self._wait_write(i)
-        buf = self._take(self.numel[i])
+        if i in self.live:
+            handle = self.reads.pop(i, None)
+            if handle is not None:  # a read of the old values still in flight into the buffer
+                handle.wait()
+        else:
+            self.live[i] = self._take(self.numel[i])
+        buf = self.live[i]
         buf.copy_(values)
-        self.writes[i] = (self.swap.write(self.key(i), buf), buf)
+        self.writes[i] = self.swap.write(self.key(i), buf)
 
     def drain(self) -> None:
-        """Wait for every write and return its buffer."""
+        """Wait for every write."""
         for i in list(self.writes):
             self._wait_write(i)
 
@@ -119,44 +126,44 @@ class ParamSwapper:
 
     # -- internals --------------------------------------------------------------------------------
     def _wait_write(self, i: int) -> None:
-        entry = self.writes.pop(i, None)
-        if entry is not None:
-            entry[0].wait()
-            self._give_back(entry[1])
+        handle = self.writes.pop(i, None)
+        if handle is not None:
+            handle.wait()
 
-    def _drop(self, i: int) -> None:
+    def _evict(self, i: int) -> None:
+        """Give unit i's buffer back (after its read and write are done); the shard stays on disk."""
         handle = self.reads.pop(i, None)
         if handle is not None:
             handle.wait()
-        self._give_back(self.live.pop(i))
-
-    def _give_back(self, buf: torch.Tensor) -> None:
+        self._wait_write(i)
+        buf = self.live.pop(i)
         ptr = buf.untyped_storage().data_ptr()
         if ptr in self._extra:
             self._extra.discard(ptr)  # freed with its last reference
         else:
             self.pool.release(buf)
 
-    def _load(self, i: int) -> None:
+    def _load(self, i: int, protect: frozenset = frozenset()) -> None:
         self._wait_write(i)
-        buf = self._take(self.numel[i])
+        buf = self._take(self.numel[i], protect)
         self.live[i] = buf
         self.reads[i] = self.swap.read(self.key(i), buf)
         self.reads_done += 1
 
-    def _take(self, n: int) -> torch.Tensor:
-        """A pool buffer view of n elements; frees finished writes, then prefetched-but-unused shards.
-        If every buffer holds a shard whose all-gather is still in flight (the stage-3 prefetch keeps
-        more units gathering than `buffer_count`), a temporary buffer is allocated beyond the pool:
-        that memory is bounded by the gathers in flight, whose full buffers are N times larger."""
-        for i in [i for i, (h, _) in self.writes.items() if h.done()]:
-            self._wait_write(i)
+    def _victim(self, protect) -> int | None:
+        """The least recently used cached shard not in use and not in `protect`."""
+        return next((j for j in self.live if not self.users.get(j) and j not in protect), None)
+
+    def _take(self, n: int, protect: frozenset = frozenset()) -> torch.Tensor:
+        """A buffer view of n elements: a free pool buffer, else the least recently used cached shard's
+        (not in use, not in `protect`), else -- every buffer holds a shard whose all-gather is still in
+        flight (the stage-3 prefetch keeps more units gathering than `buffer_count`) -- a temporary
+        buffer beyond the pool, freed on eviction: that memory is bounded by the gathers in flight,
+        whose full buffers are N times larger."""
         if self.pool.free_count == 0:
-            idle = [i for i in self.live if not self.users.get(i)]
-            if idle:
-                self._drop(idle[0])
-            else:
-                self.drain()
+            victim = self._victim(protect)
+            if victim is not None:
+                self._evict(victim)
         if self.pool.free_count == 0:
             buf = aligned_empty(n, self.dtype)
             self._extra.add(buf.untyped_storage().data_ptr())
@@ -165,10 +172,18 @@ class ParamSwapper:
         return self.pool.acquire(n)
 
     def _prefetch(self, i: int) -> None:
-        j = i
+        """Read ahead the next `prefetch_depth` units of the learned order, evicting only cached shards
+        that are not among them (never allocating beyond the pool)."""
+        chain, j = [], i
         for _ in range(self.prefetch_depth):
             j = self.successor.get(j)
-            if j is None or j == i or self.pool.free_count <= 1:
+            if j is None or j == i or j in chain:
+                break
+            chain.append(j)
+        protect = frozenset(chain) | {i}
+        for j in chain:
+            if j in self.kept or j in self.live:
+                continue
+            if self.pool.free_count == 0 and self._victim(protect) is None:
                 return
-            if j not in self.kept and j not in self.live:
-                self._load(j)
+            self._load(j, protect)

@@ -251,8 +251,6 @@ class Stage3Strategy(ZeroStrategy):
             return
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
             self.swapped.step([u.shard.grad for u in self._swapped_units], self._write_tile)
-            if self.param_swapper is not None:
-                self.param_swapper.drain()
         else:
             self.optimizer.step()
         for u in self.units:
