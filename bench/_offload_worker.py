@@ -26,28 +26,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _systems import _ds_config, _EngineRunner, all_gather_floats  # noqa: E402
 from _worker import peak_rss_bytes  # noqa: E402
 
-from zerospeed.testing.models import GPT, GPT_SIZES, Block, GPTConfig  # noqa: E402
+from zerospeed.testing.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 
 
-class InitGPT(GPT):
-    """zerospeed.testing's GPT, but every weight is initialised by its own layer's constructor
-    (PyTorch defaults) and the head is untied, so it can be built under ZeRO-3 Init. forward: GPT's."""
-
-    def __init__(self, cfg: GPTConfig):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+def InitGPT(cfg: GPTConfig) -> GPT:  # noqa: N802 - named like the class it builds
+    """zerospeed.testing's GPT with every weight initialised by its own layer's constructor (PyTorch
+    defaults), so it can be built under ZeRO-3 Init; untie the head in `cfg` for DeepSpeed's Init."""
+    return GPT(cfg, init_weights=False)
 
 
 def model_config(name: str, seq_len: int) -> GPTConfig:

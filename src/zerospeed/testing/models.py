@@ -94,10 +94,12 @@ class GPT(nn.Module):
     forward(idx, targets=None): idx is a LongTensor [batch, seq] of token ids (< vocab_size,
     seq <= cfg.seq_len). With targets ([batch, seq]) it returns the mean cross-entropy loss
     (a scalar, nats per token); without, the logits [batch, seq, vocab_size].
-    Raises ValueError if seq exceeds cfg.seq_len.
+    init_weights=False keeps every layer's own constructor init (PyTorch defaults) instead of GPT-2's
+    post-hoc normal init, so the model can be built under `zerospeed.zero.Init` (which partitions each
+    layer as it is created). Raises ValueError if seq exceeds cfg.seq_len.
     """
 
-    def __init__(self, cfg: GPTConfig = GPTConfig()):
+    def __init__(self, cfg: GPTConfig = GPTConfig(), *, init_weights: bool = True):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -108,6 +110,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
+        if not init_weights:  # each layer keeps its constructor's (PyTorch default) init: zero.Init-friendly
+            return
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("fc_out.weight") or name.endswith("proj.weight"):
