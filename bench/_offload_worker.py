@@ -15,7 +15,6 @@ of `engine.offload.aio` plus the time at least one of its requests was in flight
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _systems import _ds_config, _EngineRunner, all_gather_floats  # noqa: E402
-from _worker import peak_rss_bytes  # noqa: E402
+from _worker import peak_rss_bytes, publish  # noqa: E402
 
 from zerospeed.testing.models import GPT, GPT_SIZES, GPTConfig  # noqa: E402
 
@@ -239,15 +238,7 @@ def main(argv=None) -> int:
         result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print(result["traceback"], file=sys.stderr, flush=True)
         code = 1
-    if rank == 0:
-        tmp = Path(args.result).with_suffix(".tmp")
-        tmp.write_text(json.dumps({**meta, **result}))
-        tmp.replace(args.result)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-    return code
+    return publish(args.result, rank, meta, result, code)
 
 
 if __name__ == "__main__":

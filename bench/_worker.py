@@ -152,10 +152,16 @@ def main(argv=None) -> int:
         result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print(result["traceback"], file=sys.stderr, flush=True)
         code = 1
+    return publish(args.result, rank, meta, result, code)
+
+
+def publish(path, rank: int, meta: dict, result: dict, code: int) -> int:
+    """Rank 0 writes {meta, result} as JSON to `path` (via a temp name); every rank leaves the
+    process group. Returns `code` (the worker's exit status)."""
     if rank == 0:
-        tmp = Path(args.result).with_suffix(".tmp")
+        tmp = Path(path).with_suffix(".tmp")
         tmp.write_text(json.dumps({**meta, **result}))
-        tmp.replace(args.result)
+        tmp.replace(path)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
