@@ -1,6 +1,8 @@
 """Process-group start-up from the standard launcher environment (torchrun, SLURM, or none)."""
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -111,5 +113,27 @@ def init_distributed(dist_backend: str | None = None, *, timeout: timedelta = DE
         else:
             dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
+    global _created_default_group
+    if not _created_default_group:
+        atexit.register(_destroy_own_group)
+    _created_default_group = True
     if verbose:
         log.info("initialized %s process group: rank %d of %d (%s)", backend, rank, world_size, env.source)
+
+
+_created_default_group = False  # init_distributed created the default process group (atexit destroys it)
+
+
+def _destroy_own_group() -> None:
+    """At interpreter exit, destroy the default process group `init_distributed` created, unless the
+    program already did, and collect it so its worker threads are joined while Python is alive.
+
+    Otherwise a gloo worker thread can still be releasing the last collective's work (and the
+    tensors it holds, which needs the GIL) when the interpreter finalizes, and the rank dies with
+    SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489) after the
+    program has finished: 3 of 11 runs of the elastic-restart test here, whose last collective is
+    `save_checkpoint`'s all-gather. No reference to the group is held here, so nothing keeps it
+    alive past the collection."""
+    if _created_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()
