@@ -28,6 +28,7 @@ from torch import nn
 from ..comm.logger import CommsLogger
 from ..comm.ops import all_reduce, start_all_gather
 from ..offload.aio import HOST
+from ..optim.clipping import sum_of_squares
 from ..offload.optimizer import SwappedOptimizer
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from .data_parallel import ReducePhase
@@ -190,7 +191,7 @@ class Stage12Strategy(ZeroStrategy):
         g = self.grads.partition_grad
         if loss_scale != 1.0:
             g.mul_(1.0 / loss_scale)
-        sq = torch.linalg.vector_norm(g, dtype=torch.float64).square().reshape(1)
+        sq = sum_of_squares([g])
         all_reduce(sq, group=self.group, logger=self.logger)
         norm = math.sqrt(float(sq))
         if max_norm > 0 and math.isfinite(norm):

@@ -27,6 +27,7 @@ from ..comm.ops import all_reduce
 from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
+from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
 from . import stage3_init as init
@@ -221,9 +222,7 @@ class Stage3Strategy(ZeroStrategy):
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        sq = torch.zeros(1, dtype=torch.float64)
-        if grads:
-            sq += torch.stack([n.double() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        sq = sum_of_squares(grads) if grads else torch.zeros(1, dtype=torch.float64)
         all_reduce(sq, group=self.group, logger=self.logger)
         norm = sq.sqrt().to(torch.float32).squeeze(0)
         if max_norm > 0 and grads and bool(torch.isfinite(norm)):
