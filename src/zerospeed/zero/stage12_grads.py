@@ -24,22 +24,18 @@ buffer, whose views are the parameters' `.grad`); `reduce_dtype`, the collective
   Scratch is allocated empty: every element is either copied from a gradient or, when the chunk
   is launched, zeroed (parameters that got no gradient, padding), so nothing is written twice.
 
-On gloo a reduce-scatter is a clone of its whole input, an all-reduce of the clone and a copy of
-this rank's slice out of it (profiled: a Ψ-element allocation + copy per step, and about twice
-the time of an all-reduce of the same buffer). Where the input is ours to overwrite (stage 2's
-scratch, stage 1's flat gradient or its cast temporary), `_ChunkReducer` passes
-`input_is_scratch=True` to `comm.ops.start_reduce_scatter`, which then all-reduces it in place
-(`in_place`): the same gloo all-reduce and the same sums, without the clone. It
-is still counted as the logical reduce-scatter (input elements). Stage 1 then divides the whole
-chunk, so every `.grad` holds the averaged global gradient (as under stage 0), not only this
-rank's shard.
+Every reduce-scatter input here is ours to overwrite (stage 2's scratch, stage 1's flat gradient or
+its cast temporary), so `_ChunkReducer` passes `input_is_scratch=True` to
+`comm.ops.start_reduce_scatter` (on gloo: an all-to-all and a local sum instead of gloo's clone +
+all-reduce). Only this rank's shard of a chunk holds the reduced gradient afterwards; stage 1's
+`.grad` views elsewhere hold this rank's own unreduced values, as in DeepSpeed.
 """
 from __future__ import annotations
 
 import torch
 
 from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, reduce_scatter_is_all_reduce, start_reduce_scatter
+from ..comm.ops import CommHandle, start_reduce_scatter
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
 
@@ -63,7 +59,6 @@ class _ChunkReducer(OrderedBucketHooks):
         self.grad_dtype = grad_dtype or dtype
         self.reduce_dtype = reduce_dtype or dtype
         self._inflight: list[tuple[int, CommHandle, torch.Tensor]] = []
-        self.in_place = reduce_scatter_is_all_reduce(group)
         k = layout.num_chunks
         super().__init__(params, [[k - 1 - c for c in layout.chunks_of(i)] for i in range(len(params))], k, names)
 
@@ -134,10 +129,6 @@ class Stage1Grads(_ChunkReducer):
         self._views.attach()
 
     def _complete(self, chunk, own):
-        if self.in_place and not self.separate and self._in_flat(own):
-            if self.post != 1.0:  # the whole chunk holds the sum: average it all (own shard included)
-                self._chunk_grad(chunk).div_(self.post)
-            return
         if self.partition_grad is None:
             self.partition_grad = torch.empty(self.layout.num_chunks, self.layout.shard_numel, dtype=self.grad_dtype,
                                               device=self.device)
@@ -146,9 +137,6 @@ class Stage1Grads(_ChunkReducer):
             dst.copy_(own)
         if self.post != 1.0:
             dst.div_(self.post)
-
-    def _in_flat(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
 
     def zero_grad(self):
         self.flat.zero_()

@@ -248,7 +248,7 @@ class ShardedUnit:
         if predivide != 1.0:
             flat.div_(predivide)
         start, end = self.layout.rank_range(self.rank)
-        out = flat[start:end]  # in place: flat is scratch (gloo then all-reduces it without a copy)
+        out = flat[start:end]  # in place: flat is scratch (on gloo: all-to-all + local sum, no clone)
         return start_reduce_scatter(out, flat, group=group, logger=logger, input_is_scratch=True), out, flat
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
