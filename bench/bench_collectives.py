@@ -8,9 +8,10 @@ For each world size one torchrun launch (gloo, 1 thread per rank) times, per siz
 collectives end together), interleaved:
 - all-gather: `dist.all_gather_into_tensor` (torch) against `zerospeed.comm.ops.start_all_gather`
   (on gloo: one in-place broadcast per source rank), in place (input = own slice of output);
-- reduce-scatter: `dist.reduce_scatter_tensor` (torch; on gloo a clone + all-reduce + copy) against
-  `start_reduce_scatter(..., input_is_scratch=True)` (on gloo an in-place all-reduce), and a plain
-  in-place `dist.all_reduce` of the same buffer for reference.
+- reduce-scatter: `dist.reduce_scatter_tensor` (torch; on gloo a clone + all-reduce + copy) and
+  `dist.reduce_scatter` (list of N inputs) against `start_reduce_scatter(..., input_is_scratch=True)`
+  (on gloo an all-to-all + a local sum), and a plain in-place `dist.all_reduce` of the same buffer
+  (what zerospeed ran before eed0c0d) for reference.
 Prints a markdown table; the numbers behind the choices in `comm/ops.py` (bench/README.md).
 """
 from __future__ import annotations
@@ -23,13 +24,6 @@ import sys
 import time
 
 SIZES = (1_000_000, 2_700_000, 6_500_000, 10_844_160)  # 10,844,160 = the small GPT's Ψ
-
-
-def _a2a_rs(out, flat, recv, world):
-    import torch
-    import torch.distributed as dist
-    dist.all_to_all_single(recv, flat)
-    torch.sum(recv.view(world, -1), dim=0, out=out)
 
 
 def _worker(sizes: list[int], repeats: int) -> None:
@@ -48,7 +42,6 @@ def _worker(sizes: list[int], repeats: int) -> None:
         flat = torch.randn(numel)
         out = torch.empty(k)
         own = flat[rank * k:(rank + 1) * k]
-        recv = torch.empty(numel)
         cases = {
             "all-gather: torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(flat, own),
             "all-gather: zerospeed start_all_gather": lambda: start_all_gather(flat, own, group=None).wait(),
@@ -56,7 +49,6 @@ def _worker(sizes: list[int], repeats: int) -> None:
             "reduce-scatter: zerospeed, input_is_scratch": lambda: start_reduce_scatter(
                 own, flat, group=None, input_is_scratch=True).wait(),
             "reduce-scatter: torch reduce_scatter (list)": lambda: dist.reduce_scatter(out, list(flat.chunk(world))),
-            "reduce-scatter: all_to_all_single + sum": lambda: _a2a_rs(out, flat, recv, world),
             "(all-reduce, in place)": lambda: dist.all_reduce(flat),
         }
         times: dict[str, list[float]] = {name: [] for name in cases}

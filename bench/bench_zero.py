@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list (default: fp32,bf16, but only fp32 where bf16 matmuls are emulated (the bf16 "
                         "matmul peak is under a quarter of fp32's): there every bf16 run is 10-20x slower; "
                         "name bf16 explicitly to run it anyway)")
-    p.add_argument("--models", type=_csv(("small", "base")), default=["small", "base"])
+    p.add_argument("--models", type=_csv(("demo", "small", "base")), default=["small", "base"],
+                   help="comma list of testing.models.GPT_SIZES: demo (1.85M, the demo job's; issue 3), small (10.8M), base (85M)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (at least 1)")
     p.add_argument("--repeats", type=int, default=1, help="launches per configuration, interleaved")
