@@ -61,7 +61,8 @@ def run(args, rank: int, world: int) -> dict:
     if batches.shape[0] < world or batches.shape[1] < args.warmup + args.steps:
         raise ValueError(f"data file {args.data} holds {tuple(batches.shape)}; need {world} ranks x "
                          f"{args.warmup + args.steps} steps")
-    mine = batches[rank, :args.warmup + args.steps, :args.micro_batch].long().clone()
+    # windows are written for the longest model of the invocation: a shorter model reads their first seq_len + 1 bytes
+    mine = batches[rank, :args.warmup + args.steps, :args.micro_batch, :cfg.seq_len + 1].long().clone()
     del batches
     torch.manual_seed(args.seed)  # same initial weights on every rank and in every system
     model = GPT(cfg)
