@@ -129,9 +129,9 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
 
 
 class _SumAfter:
-    """An all-to-all that is the first half of a reduce-scatter: `wait()` finishes it, then sums the
-    received [N, k] pieces over ranks (in rank order, so the result does not depend on timing) into
-    `output` [k] and frees them."""
+    """An all-to-all that is the first half of a reduce-scatter: `wait()` finishes it, then adds the
+    received [N, k] pieces into `output` [k] one after another in rank order (so the result does not
+    depend on timing; rounded after each add, as a ring all-reduce does) and frees them."""
 
     def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor):
         self.work, self.received, self.output = work, received, output
@@ -139,7 +139,13 @@ class _SumAfter:
     def wait(self) -> bool:
         if self.received is not None:
             self.work.wait()
-            torch.sum(self.received, dim=0, out=self.output)
+            r = self.received  # pairwise adds: torch.sum(dim=0) is 2x slower in fp32, 10x in bf16 (fp32 accumulation)
+            if len(r) == 1:
+                self.output.copy_(r[0])
+            else:
+                torch.add(r[0], r[1], out=self.output)
+                for piece in r[2:]:
+                    self.output.add_(piece)
             self.received = None
         return True
 
