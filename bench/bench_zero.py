@@ -253,7 +253,8 @@ def report(saved: dict, base: Path) -> str:
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
-              f"{args['micro_batch']} x seq {GPT_SIZES[args['models'][0]].seq_len} per rank, {args['warmup']} warm-up + "
+              f"{args['micro_batch']} x seq {'/'.join(str(GPT_SIZES[m].seq_len) for m in args['models'])} "
+              f"({'/'.join(args['models'])}) per rank, {args['warmup']} warm-up + "
               f"{args['steps']} timed steps, {args['repeats']} repeat(s) (medians), AdamW lr 3e-4, no clipping; "
               f"torch {saved.get('torch')}, deepspeed {ds_version or 'n/a'}, {saved.get('cpu')}; matmul peak "
               f"{peak['fp32'] / 1e9:.1f} GFLOP/s fp32 and {peak['bf16'] / 1e9:.2f} GFLOP/s bf16 per thread (MFU "
