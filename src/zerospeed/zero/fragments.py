@@ -140,19 +140,20 @@ def _stage0_slots(strategy, names, rank: int, world: int, *, load: bool) -> list
 
 def _stage12_local(strategy) -> torch.Tensor:
     """This rank's fp32 master partition, [num_chunks, shard_numel]."""
-    masters = getattr(strategy, "master_params", None)
-    return masters[0] if masters else strategy.master
+    return strategy.master
 
 
 def _stage12_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
-    layout, master = strategy.layout, _stage12_local(strategy)
-    frags = []
+    """One slot per chunk: the optimizer steps the K rows of the partition (`master_params`, [S] each)."""
+    layout, rows = strategy.layout, strategy.master_params
+    frags: list[list] = [[] for _ in rows]
     for f in layout.fragments(rank):
         p = strategy.params[f.index]
         col = f.flat_start - layout.shard_range(f.chunk, rank)[0]
-        take = (lambda c, a, b: lambda t: t[c, a:b])(f.chunk, col, col + f.numel)
-        frags.append((_logical(names, p, p.shape, master.dtype), f.param_offset, f.param_offset + f.numel, take))
-    return [_Slot(master, frags)]
+        take = (lambda a, b: lambda t: t[a:b])(col, col + f.numel)
+        frags[f.chunk].append((_logical(names, p, p.shape, rows[f.chunk].dtype), f.param_offset,
+                               f.param_offset + f.numel, take))
+    return [_Slot(row, fr) for row, fr in zip(rows, frags)]
 
 
 def _stage3_local(unit) -> torch.Tensor:

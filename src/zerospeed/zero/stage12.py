@@ -3,7 +3,11 @@
 Layout (`partition.py`): every trainable parameter becomes a view into one flat buffer of Ψ
 elements (+ padding) in the parameter dtype, cut into K equal chunks; rank r owns shard r of each
 chunk, so its partition is the strided view `flat.view(K, L)[:, r*S:(r+1)*S]` ([K, S] elements,
-S = L / N). The optimizer is built over one tensor, `master` (= `master_params[0]`):
+S = L / N). This rank's fp32 partition is `master` ([K, S]); the optimizer is built over its K rows
+(`master_params`, one contiguous [S] view per chunk), so the optimizer's per-step temporaries are
+chunk-sized: one [K, S] tensor made foreach AdamW allocate 4Ψ/N-byte temporaries every step, above
+glibc's 32 MiB mmap ceiling and so page-faulted anew each time (356 ms of an 11 s stage-2 step of
+the 85M GPT, profiled).
 - fp32: `master` *is* that strided view, so no copy exists and the update lands in the flat buffer;
 - bf16/fp16: `master` is a separate fp32 [K, S] tensor (4Ψ/N bytes) built from the original fp32
   values; after the step it is copied (rounded) into the low-precision shard of `flat`.
@@ -63,8 +67,8 @@ class Stage12Strategy(ZeroStrategy):
 
     module: the model (already on its device, identical on every rank). params: its trainable
     parameters, deduplicated, in registration order; they become views into one flat buffer.
-    make_optimizer: callable(list of tensors) -> torch optimizer; it receives one tensor, this rank's
-    fp32 partition `master` ([K, S]; a strided view of the flat buffer in fp32). reduce_bucket_size /
+    make_optimizer: callable(list of tensors) -> torch optimizer; it receives the K rows of this rank's
+    fp32 partition `master` ([K, S]; in fp32 a strided view of the flat buffer), [S] each. reduce_bucket_size /
     allgather_bucket_size: elements; the chunk length L is at most the smaller of the two (0 = no
     all-gather limit) plus N - 1. average: divide the summed gradients by N (`gradient_allreduce_op`
     mean). predivide_factor: DeepSpeed's `gradient_predivide_factor`. policy: the mixed-precision
@@ -120,7 +124,7 @@ class Stage12Strategy(ZeroStrategy):
                                             pin=offload.policy.pin_memory)
             self.swapped.add_master(self.master)
             self.master = None  # lives on NVMe now
-        self.master_params = [self.master] if self.master is not None else []
+        self.master_params = list(self.master.unbind(0)) if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
         self.grads = grads_cls(params, layout, names, group=group, rank=self.rank, average=average,
                                predivide=predivide_factor, logger=logger, dtype=dtype, device=device,
@@ -147,26 +151,31 @@ class Stage12Strategy(ZeroStrategy):
         try:
             if self.swapped is not None:
                 return self.swapped.build()
-            opt = make_optimizer([self.master])
+            opt = make_optimizer(list(self.master_params))
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
             raise TypeError(f"ZeRO stage {self.stage} builds the optimizer over one flat fp32 tensor per rank "
-                            f"(this rank's partition, shape {tuple(self.master.shape)}), and that failed: "
+                            f"(this rank's partition, {len(self.master_params)} rows of shape "
+                            f"{tuple(self.master.shape[1:])}), and that failed: "
                             f"{type(exc).__name__}: {exc}. Pass optimizer= as a callable params -> optimizer, or "
                             "describe it in the ds_config 'optimizer' block, instead of an optimizer object "
                             "whose class cannot be rebuilt from (params, **defaults)") from exc
         owned = [p for g in opt.param_groups for p in g["params"]]
-        if len(owned) != 1 or owned[0] is not self.master:
-            raise ValueError(f"the optimizer for ZeRO stage {self.stage} must optimize exactly the one tensor it "
-                             f"is given (this rank's partition), but it holds {len(owned)} other tensor(s); a "
-                             "callable optimizer must build over its params argument")
+        if len(owned) != len(self.master_params) or any(a is not b for a, b in zip(owned, self.master_params)):
+            raise ValueError(f"the optimizer for ZeRO stage {self.stage} must optimize exactly the "
+                             f"{len(self.master_params)} tensors it is given (the rows of this rank's partition), "
+                             f"but it holds {len(owned)} other tensor(s); a callable optimizer must build over "
+                             "its params argument")
         self._attach_grad()
         return opt
 
     def _attach_grad(self) -> None:
-        """The master's .grad: the partition gradient, copied to the host when the master lives there."""
+        """Each master row's .grad: that row of the partition gradient (copied to the host first when the
+        master lives there)."""
         g = self.grads.partition_grad
-        self.master.grad = g if g is None or g.device == self.master.device else \
-            g.to(self.master.device, non_blocking=True)
+        if g is not None and g.device != self.master.device:
+            g = g.to(self.master.device, non_blocking=True)
+        for c, row in enumerate(self.master_params):
+            row.grad = None if g is None else g[c]
 
     # -- the ZeroStrategy protocol (call order: see strategy.py) --------------------------------------
     @property
@@ -242,16 +251,17 @@ class Stage12Strategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
-        if self.grads.partition_grad is None and self.master is not None:  # stage 1, mixed: fp32 grad freed
-            self.master.grad = None
+        if self.grads.partition_grad is None:  # stage 1, mixed: fp32 grad freed
+            for row in self.master_params:
+                row.grad = None
 
     def remove(self) -> None:
         """Remove the hooks and drop gradients; parameters stay views into the flat buffer."""
         self.grads.remove_hooks()
         for p in self.params:
             p.grad = None
-        if self.master is not None:
-            self.master.grad = None
+        for row in self.master_params:
+            row.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding
