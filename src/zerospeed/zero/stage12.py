@@ -32,8 +32,8 @@ from torch import nn
 from ..comm.logger import CommsLogger
 from ..comm.ops import all_reduce, start_all_gather
 from ..offload.aio import HOST
-from ..optim.clipping import sum_of_squares
 from ..offload.optimizer import SwappedOptimizer
+from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from .data_parallel import ReducePhase
 from .partition import plan_flat_partition
@@ -153,8 +153,8 @@ class Stage12Strategy(ZeroStrategy):
                 return self.swapped.build()
             opt = make_optimizer(list(self.master_params))
         except Exception as exc:  # noqa: BLE001 - re-raised with the fix
-            raise TypeError(f"ZeRO stage {self.stage} builds the optimizer over one flat fp32 tensor per rank "
-                            f"(this rank's partition, {len(self.master_params)} rows of shape "
+            raise TypeError(f"ZeRO stage {self.stage} builds the optimizer over this rank's flat fp32 "
+                            f"partition ({len(self.master_params)} rows of shape "
                             f"{tuple(self.master.shape[1:])}), and that failed: "
                             f"{type(exc).__name__}: {exc}. Pass optimizer= as a callable params -> optimizer, or "
                             "describe it in the ds_config 'optimizer' block, instead of an optimizer object "
