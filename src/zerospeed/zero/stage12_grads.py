@@ -28,8 +28,9 @@ Every reduce-scatter input here is ours to overwrite (stage 2's scratch, stage 1
 its cast temporary), so `_ChunkReducer` passes `input_is_scratch=True` to
 `comm.ops.start_reduce_scatter` (on gloo: an all-to-all and a local sum instead of gloo's clone +
 all-reduce; the all-to-all receives into a temporary of the chunk's size, so each chunk in flight
-holds two L-element buffers until its `wait()`). Only this rank's shard of a chunk holds the reduced gradient afterwards; stage 1's
-`.grad` views elsewhere hold this rank's own unreduced values, as in DeepSpeed.
+holds two L-element buffers until its `wait()`). Only this rank's shard of a chunk holds the reduced
+gradient afterwards; stage 1's `.grad` views elsewhere hold this rank's own unreduced values, as in
+DeepSpeed.
 """
 from __future__ import annotations
 

@@ -222,7 +222,7 @@ class Stage3Strategy(ZeroStrategy):
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        sq = sum_of_squares(grads) if grads else torch.zeros(1, dtype=torch.float64)
+        sq = sum_of_squares(grads)
         all_reduce(sq, group=self.group, logger=self.logger)
         norm = sq.sqrt().to(torch.float32).squeeze(0)
         if max_norm > 0 and grads and bool(torch.isfinite(norm)):
