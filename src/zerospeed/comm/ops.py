@@ -34,6 +34,7 @@ class CommHandle:
         with record_function(f"zerospeed::{self.name}.wait"):
             if self.work is not None:
                 self.work.wait()
+        self.work = None  # a finished dist.Work still references its tensors: let them go now
         self.done = True
         if self.logger is not None:
             self.logger.record(self.name, self.numel, self.nbytes, time.perf_counter() - self.started)
@@ -109,44 +110,46 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
 
     input_is_scratch: the caller no longer needs `input` (its other slices are left undefined). On
     gloo, whose reduce-scatter is a clone of the input + a ring all-reduce (2(N-1)k elements sent per
-    rank) + a copy out, a SUM into this rank's own slice then runs as one all-to-all ((N-1)k elements
-    sent: the textbook reduce-scatter volume, half the all-reduce's) into a temporary [N * k] buffer,
-    and `wait()` adds the N received pieces in rank order into `output`. Measured (gloo, 1 thread per
-    rank, 6.5M-10.8M fp32 elements, medians of 7, bench/bench_collectives.py): 0.74-0.79x the time
-    of an in-place all-reduce at 2 ranks, 0.54-0.68x at 4; 0.39-0.21x torch's reduce_scatter_tensor.
-    Still counted and profiled as this reduce-scatter; the summation happens inside its `.wait`."""
+    rank) + a copy out, a SUM into this rank's own slice then runs as point-to-point messages: slice j
+    of `input` is sent to rank j and the N-1 slices for this rank are received into a [(N-1) * k]
+    buffer ((N-1)k elements sent: the textbook reduce-scatter volume, half the all-reduce's); `wait()`
+    adds them into `output` (its own slice first, then the others in a fixed order). Measured (gloo, 1
+    thread per rank, medians of 15): 0.79x the time of an all-to-all into an [N * k] buffer at 1.85M
+    fp32 elements and 2 ranks, 0.5x at 0.4M; and gloo's all-to-all keeps a (N-1)k-element buffer of
+    its own after it finished, the messages nothing. Still counted and profiled as this
+    reduce-scatter; the summation happens inside its `.wait`."""
     started = time.perf_counter()
     with record_function("zerospeed::reduce_scatter"):
         if (input_is_scratch and op == dist.ReduceOp.SUM and _split_by_rank(group)
                 and _is_own_slice(output, input, group)):
-            world = dist.get_world_size(group)
-            received = torch.empty_like(input)
-            work = _SumAfter(dist.all_to_all_single(received, input, group=group, async_op=True),
-                             received.view(world, -1), output)
+            world, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
+            received = torch.empty((world - 1) * k, dtype=input.dtype, device=input.device)
+            works = []
+            for j in range(1, world):  # j-th message: to rank + j, from rank - j
+                dst, src = (rank + j) % world, (rank - j) % world
+                works.append(dist.isend(input[dst * k:(dst + 1) * k], group=group, group_dst=dst))
+                works.append(dist.irecv(received[(j - 1) * k:j * k], group=group, group_src=src))
+            work = _SumAfter(Works(works), received.view(world - 1, k), output)
         else:
             work = _reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _handle("reduce_scatter", work, input, logger, started)
 
 
 class _SumAfter:
-    """An all-to-all that is the first half of a reduce-scatter: `wait()` finishes it, then adds the
-    received [N, k] pieces into `output` [k] one after another in rank order (so the result does not
-    depend on timing; rounded after each add, as a ring all-reduce does) and frees them."""
+    """The messages of a reduce-scatter: `wait()` finishes them, then adds the received [N-1, k]
+    pieces into `output` [k] (which holds this rank's own piece) one after another in message order,
+    so the result does not depend on timing (rounded after each add, as a ring all-reduce is), and
+    frees them."""
 
-    def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor):
+    def __init__(self, work: Works, received: torch.Tensor, output: torch.Tensor):
         self.work, self.received, self.output = work, received, output
 
     def wait(self) -> bool:
         if self.received is not None:
             self.work.wait()
-            r = self.received  # pairwise adds: torch.sum(dim=0) is 2x slower in fp32, 10x in bf16 (fp32 accumulation)
-            if len(r) == 1:
-                self.output.copy_(r[0])
-            else:
-                torch.add(r[0], r[1], out=self.output)
-                for piece in r[2:]:
-                    self.output.add_(piece)
-            self.received = None
+            for piece in self.received:  # pairwise adds: torch.sum(dim=0) is 10x slower in bf16
+                self.output.add_(piece)
+            self.received = self.work = self.output = None  # the works hold the buffers until dropped
         return True
 
     def is_completed(self) -> bool:
