@@ -96,15 +96,18 @@ def train_run(rank, world, stage, precision, case):
     model = tiny_gpt(**MODEL)
     engine, _, _, _ = zerospeed.initialize(model=model, config=ds_config(stage, precision, micro, gas, clip))
     batches = global_batches(random_tokens(micro * gas * world * steps, 64, seed=1), micro * gas * world, steps)
-    norms = []
-    losses = train_engine(engine, batches, on_step=lambda e: norms.append(e.get_global_grad_norm()))
+    norms, memory = [], []
+    losses = train_engine(engine, batches, on_step=lambda e: norms.append(e.get_global_grad_norm()),
+                          after_backward=lambda e: memory.append(e.memory_breakdown()))
     masters, state = full_masters(engine.strategy), model_state(engine)
     out = {"losses": losses, "norms": norms, "masters": masters,
            "master_dtypes": {m.dtype for m in engine.strategy.master_params},
            "param_dtypes": {p.dtype for p in model.parameters()},
            # the low-precision parameters are the masters rounded (and all-gathered) after the last step
            "params_are_rounded_masters": all(torch.equal(state[n], m.to(state[n].dtype)) for n, m in masters.items()),
-           "memory": engine.memory_breakdown(), "padding": _padding(engine.strategy),
+           # stage 3 frees its gradient shards at the step: its model states are counted after the last
+           # backward; stages 0-2 keep gradient buffers and create the fp32 partition inside the step
+           "memory": memory[-1] if stage == 3 else engine.memory_breakdown(), "padding": _padding(engine.strategy),
            "flags": (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.loss_scale, engine.skipped_steps)}
     engine.destroy()
     return out

@@ -33,9 +33,12 @@ BASE_ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_re
 CASES = {  # micro, gas, clip, zero_optimization overrides
     "plain": (2, 1, 0.0, {}),  # default stage3_prefetch_bucket_size (5e7): every unit is prefetched
     "grad-accum-2": (2, 2, 0.0, {}),
-    "clipped": (2, 1, 0.05, {}),
-    # keep blocks gathered from forward to backward (reuse distance < 1e9), no prefetch
-    "reuse-no-prefetch": (2, 1, 0.0, {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 10**9}),
+    # reduce buckets of 70,000 elements: block 1 (49,280) alone, then block 0 + the root (20,544)
+    "clipped": (2, 1, 0.05, {"reduce_bucket_size": 70_000}),
+    # keep blocks gathered from forward to backward (reuse distance < 1e9), no prefetch; a 1-element
+    # reduce bucket: one reduce-scatter per unit (elsewhere the default 25 MiB bucket takes all units at once)
+    "reuse-no-prefetch": (2, 1, 0.0, {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 10**9,
+                                      "reduce_bucket_size": 1}),
     "persist-100": (2, 1, 0.0, {"stage3_param_persistence_threshold": 100}),  # LayerNorm weights join the root
     # reuse allowed, but at most the root (20544) + one block (49280) gathered: only the last block is kept
     "max-live": (2, 1, 0.0, {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": MAX_LIVE}),
@@ -67,15 +70,17 @@ def engine_runs(rank, world, names):
         model = tiny_gpt(**MODEL)
         engine, _, _, _ = zerospeed.initialize(model=model, config=ds_config(micro, gas, clip, zero))
         batches = global_batches(random_tokens(micro * gas * world * STEPS, 64, seed=1), micro * gas * world, STEPS)
-        norms, comms = [], []
+        norms, comms, memory = [], [], []
 
         def on_step(e):
             norms.append(e.get_global_grad_norm())
             comms.append({k: (s.calls, s.elements) for k, s in e.comms_logger.stats.items()})
-        losses = train_engine(engine, batches, on_step=on_step)
+        losses = train_engine(engine, batches, on_step=on_step,
+                              after_backward=lambda e: memory.append(e.memory_breakdown()))
         strategy = engine.strategy
         info = {"units": len(strategy.units), "at_rest": [u.status for u in strategy.units],
-                "memory": engine.memory_breakdown(), "padding": sum(u.layout.padding for u in strategy.units),
+                "memory": memory[-1], "memory_after_step": engine.memory_breakdown(),
+                "padding": sum(u.layout.padding for u in strategy.units),
                 "shard_elements": sum(u.layout.shard_numel for u in strategy.units),
                 "peak_live": strategy.scheduler.peak_live}
         state = strategy.consolidated_state_dict()
@@ -120,7 +125,8 @@ def check_case(name, world, rank_outs):
                 assert info["peak_live"] <= MAX_LIVE
             else:  # the root once (held through backward), every block in forward and again in backward
                 assert ag_calls == gas * (1 + 2 * (units - 1)), (name, step, ag_calls)
-            assert rs_calls == gas * units, (name, step, rs_calls)  # one reduce-scatter per unit and backward
+            buckets = {"reuse-no-prefetch": units, "clipped": 2}.get(name, 1)  # see CASES
+            assert rs_calls == gas * buckets, (name, step, rs_calls)  # per backward: one reduce-scatter per bucket
             if name == "plain":
                 assert abs(ag_elems + rs_elems - 3 * PSI) <= 0.10 * 3 * PSI, (ag_elems, rs_elems, PSI)
     r0, r1 = rank_outs[0], rank_outs[1]
@@ -130,7 +136,10 @@ def check_case(name, world, rank_outs):
 
 
 def check_memory(world, info):
-    """16Ψ/N bytes at rest: fp32 shard 4/N + its gradient 4/N + Adam's two moments 8/N (+ padding)."""
+    """16Ψ/N bytes after backward: fp32 shard 4/N + its gradient 4/N + Adam's two moments 8/N (+ padding);
+    after the step the shard gradients are freed (set to None), so 12Ψ/N between steps."""
+    after = info["memory_after_step"]
+    assert after["grads"] == 0 and after["params"] == 4 * info["shard_elements"], after
     mem = info["memory"]
     total = sum(mem.values())
     formula = 16 * PSI / world

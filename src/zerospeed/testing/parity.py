@@ -55,9 +55,10 @@ def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                 on_step: Callable | None = None) -> list[float]:
+                 on_step: Callable | None = None, after_backward: Callable | None = None) -> list[float]:
     """Train `engine` one step per global batch on this rank's micro-batches; returns the per-step
-    global loss (the mean over micro-batches and ranks, all-reduced)."""
+    global loss (the mean over micro-batches and ranks, all-reduced). on_step(engine): after each
+    global step; after_backward(engine): after each micro-batch's backward, before its `step()`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = engine.gradient_accumulation_steps()
     losses = []
@@ -66,6 +67,8 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
         for x, y in micro_batches(batch, rank, world, gas):
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
+            if after_backward is not None:
+                after_backward(engine)
             engine.step()
             total += loss.item()
         dist.all_reduce(total)

@@ -30,6 +30,7 @@ from ..offload.params import ParamSwapper
 from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
+from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .stage3_params import ShardedParam, ShardedUnit
@@ -46,7 +47,9 @@ class Stage3Strategy(ZeroStrategy):
 
     make_optimizer: builds the optimizer over the list of flat shards (one nn.Parameter
     [shard_numel] per unit, `.grad` = the averaged gradient slice). group: the data-parallel group.
-    persistence_threshold / leaf_*: unit selection (`plan_units`). prefetch_bucket_size,
+    persistence_threshold / leaf_*: unit selection (`plan_units`). reduce_bucket_size: elements per
+    gradient reduce-scatter: consecutive units' gradients share one until it holds this many (a unit
+    larger than it goes alone; default DDP's 25 MiB of fp32, as stages 0-2). prefetch_bucket_size,
     max_live_parameters, max_reuse_distance: elements (`GatherScheduler`). average: divide summed
     gradients by the group size. predivide_factor: divide before the sum, by world/factor after.
     sanity_checks: check every forward for not-gathered parameters (else until one forward passed).
@@ -62,6 +65,7 @@ class Stage3Strategy(ZeroStrategy):
     def __init__(self, module: nn.Module, make_optimizer, *, group: dist.ProcessGroup | None,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
+                 reduce_bucket_size: int = DEFAULT_BUCKET_SIZE,
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
@@ -110,7 +114,7 @@ class Stage3Strategy(ZeroStrategy):
             module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
             max_live=max_live_parameters, max_reuse=max_reuse_distance,
             post=(self.world / predivide_factor) if average else (1.0 / predivide_factor),
-            predivide=predivide_factor, sanity_checks=sanity_checks)
+            predivide=predivide_factor, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size)
         self._state_dict_hooks = StateDictHooks(self)
         self.scheduler.on_forward_start = self._state_dict_hooks.reset
         ctx.register_strategy(self)
@@ -129,6 +133,8 @@ class Stage3Strategy(ZeroStrategy):
                    prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
                    max_live_parameters=int(zero_cfg.max_live_parameters),
                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
+                   reduce_bucket_size=bucket_elements(int(zero_cfg.reduce_bucket_size),
+                                                      "reduce_bucket_size" in zero_cfg.model_fields_set),
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
@@ -249,16 +255,19 @@ class Stage3Strategy(ZeroStrategy):
         if self.optimizer is None:
             return
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
-            self.swapped.step([u.shard.grad for u in self._swapped_units], self._write_tile)
+            self.swapped.step([u.shard.grad if u.shard.grad is not None else  # a unit no backward reached
+                               torch.zeros(u.layout.shard_numel, dtype=u.master_dtype, device=u.shard.device)
+                               for u in self._swapped_units], self._write_tile)
         else:
             self.optimizer.step()
         for u in self.units:
             u.after_step(self.group, self.logger)
 
     def zero_grad(self) -> None:
+        """Drop the shard gradients (set to None, as torch's `zero_grad(set_to_none=True)`: 4Ψ/N bytes
+        are free from the step to the next backward) and any full gradients."""
         for u in self.units:
-            if u.shard.grad is not None:
-                u.shard.grad.zero_()
+            u.shard.grad = None
             for sp in u.params:
                 sp.param.grad = None
 

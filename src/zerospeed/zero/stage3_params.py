@@ -95,6 +95,39 @@ def flat_layout(numels: list[int] | tuple[int, ...], world: int) -> FlatLayout:
     return FlatLayout(tuple(offsets), tuple(numels), off, padded, padded // world, world)
 
 
+def _row_pieces(offset: int, numel: int, row: int):
+    """Split elements [offset, offset + numel) of a flat vector cut into rows of `row` elements:
+    yields (row index, column, start within the range, length) per piece."""
+    e, end = offset, offset + numel
+    while e < end:
+        r, col = divmod(e, row)
+        n = min(row - col, end - e)
+        yield r, col, e - offset, n
+        e += n
+
+
+def start_bucket_reduce(units: list[ShardedUnit], *, group: dist.ProcessGroup | None,
+                        logger: CommsLogger | None, predivide: float):
+    """One reduce-scatter for the gradients of several units (a `reduce_bucket_size` bucket, as
+    DeepSpeed's stage-3 ipg bucket). The bucket is rank-major, [world, sum of shard_numel]: row r
+    holds rank r's part of every unit, so this rank receives its shards of all units in one row.
+    Returns (handle, [(unit, its reduced slice [shard_numel]), ...]); the units' full gradients are
+    dropped. Units must share reduce_dtype and device (one policy per strategy)."""
+    u0, world, rank = units[0], units[0].world, units[0].rank
+    cols = [u.layout.shard_numel for u in units]
+    bucket = torch.empty(world, sum(cols), dtype=u0.reduce_dtype, device=u0.full.device)
+    pieces, c = [], 0
+    for u, k in zip(units, cols):
+        u.take_grads(bucket[:, c:c + k])
+        pieces.append((u, bucket[rank, c:c + k]))
+        c += k
+    if predivide != 1.0:
+        bucket.div_(predivide)
+    # in place: the bucket is scratch (on gloo: all-to-all + local sum, no clone)
+    handle = start_reduce_scatter(bucket[rank], bucket.view(-1), group=group, logger=logger, input_is_scratch=True)
+    return handle, pieces
+
+
 class ShardedParam:
     """Per-parameter ZeRO-3 state, kept beside (never on) the `nn.Parameter`.
 
@@ -141,7 +174,8 @@ class ShardedUnit:
     name: the unit's module name ("" for the root unit). params: (parameter, fqn, aliases) in flat
     order; their current `.data` must hold the full values (rank 0's after `initialize`'s broadcast).
     shard: nn.Parameter [shard_numel] fp32, this rank's slice: the *master* the optimizer updates;
-    `shard.grad` (fp32) is the reduced, averaged gradient slice, accumulated over micro-steps.
+    `shard.grad` (fp32) is the reduced, averaged gradient slice, accumulated over micro-steps; None
+    until the step's first reduction and again after `zero_grad` (as torch's set_to_none).
     lp_shard: the same slice in the parameter dtype, the all-gather source: `shard.detach()` itself
     in fp32 training; under bf16/fp16 a separate tensor refreshed from `shard` after each step
     (`sync_after_step`). full: [padded] buffer in the parameter dtype, 0 bytes while SHARDED.
@@ -193,7 +227,6 @@ class ShardedUnit:
             kept = self.swapper.add(index, self.lp_shard)
             self.lp_shard = kept if kept is not None else self.placeholder
         self.master_store = None  # a SwappedOptimizer holding the master (NVMe), set by the strategy
-        self.shard.grad = torch.zeros_like(self.shard)
         self.status = ParamStatus.GATHERED
         self.pins = 0
         self.handle: CommHandle | None = None
@@ -232,38 +265,42 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
 
     # -- gradients ----------------------------------------------------------------------------
-    def start_reduce(self, group: dist.ProcessGroup | None, logger: CommsLogger | None,
-                     predivide: float) -> tuple[CommHandle, torch.Tensor, torch.Tensor]:
-        """Flatten the full gradients (None counts as zeros) into `reduce_dtype`, drop them from the
-        parameters and start the reduce-scatter. Returns (handle, output [shard_numel], flat input [padded])."""
-        flat = torch.empty(self.layout.padded, dtype=self.reduce_dtype, device=self.full.device)
+    def take_grads(self, dst: torch.Tensor) -> None:
+        """Move the full gradients (None counts as zeros; padding is zeroed) into `dst` and drop them
+        from the parameters. dst: [world, shard_numel] in `reduce_dtype`, row r = rank r's part of the
+        flat gradient (a column block of a bucket: `start_bucket_reduce`)."""
+        s = self.layout.shard_numel
         for sp in self.params:
-            g, dst = sp.param.grad, flat[sp.offset:sp.offset + sp.numel]
-            if g is None:
-                dst.zero_()
-            else:
-                dst.copy_(g.reshape(-1))
+            g = sp.param.grad
+            src = g.reshape(-1) if g is not None else None
+            for r, col, lo, n in _row_pieces(sp.offset, sp.numel, s):
+                if src is None:
+                    dst[r, col:col + n].zero_()
+                else:
+                    dst[r, col:col + n].copy_(src[lo:lo + n])
             sp.param.grad = None
-        flat[self.layout.total:].zero_()
-        if predivide != 1.0:
-            flat.div_(predivide)
-        start, end = self.layout.rank_range(self.rank)
-        out = flat[start:end]  # in place: flat is scratch (on gloo: all-to-all + local sum, no clone)
-        return start_reduce_scatter(out, flat, group=group, logger=logger, input_is_scratch=True), out, flat
+        for r, col, _, n in _row_pieces(self.layout.total, self.layout.padding, s):
+            dst[r, col:col + n].zero_()
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
-        """shard.grad += reduced / post (post = world size for averaging); a bf16/fp16 `reduced` is
-        added into the fp32 accumulator and divided in fp32."""
-        if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
-        if reduced.device != self.shard.grad.device:  # optimizer offload: the gradient goes down to the host
-            reduced = reduced.to(self.shard.grad.device, non_blocking=True)
-        if reduced.dtype != self.shard.grad.dtype:
-            self.shard.grad.add_(reduced, alpha=1.0 / post)
-            return
-        if post != 1.0:
-            reduced.div_(post)
-        self.shard.grad.add_(reduced)
+        """shard.grad += reduced / post (post = world size for averaging; a None `shard.grad` is created
+        here, so between steps it holds no memory); a bf16/fp16 `reduced` is added into the fp32
+        accumulator and divided in fp32. `reduced` is not kept (it may be a view into a bucket)."""
+        grad = self.shard.grad
+        device = self.shard.device
+        if reduced.device != device:  # optimizer offload: the gradient goes down to the host
+            reduced = reduced.to(device, non_blocking=True)
+        if grad is None:  # the same roundings as adding into zeros below
+            if reduced.dtype != self.master_dtype:
+                self.shard.grad = torch.mul(reduced.to(self.master_dtype), 1.0 / post)
+            else:
+                self.shard.grad = torch.div(reduced, post) if post != 1.0 else reduced.clone()
+        elif reduced.dtype != grad.dtype:
+            grad.add_(reduced, alpha=1.0 / post)
+        else:
+            if post != 1.0:
+                reduced.div_(post)
+            grad.add_(reduced)
 
     # -- whole-unit helpers -------------------------------------------------------------------
     def sync_rebound(self) -> None:

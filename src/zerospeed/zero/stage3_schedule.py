@@ -37,10 +37,10 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
-from .stage3_params import ParamStatus, ShardedParam, ShardedUnit
+from .stage3_params import ParamStatus, ShardedParam, ShardedUnit, start_bucket_reduce
 
 SHARDED, GATHERING, GATHERED = ParamStatus.SHARDED, ParamStatus.GATHERING, ParamStatus.GATHERED
-_MAX_REDUCE_IN_FLIGHT = 2  # reduce-scatters whose full-size inputs may be alive at once
+_MAX_REDUCE_IN_FLIGHT = 2  # reduce-scatter buckets whose full-size inputs may be alive at once
 
 
 class ParameterNotGatheredError(RuntimeError):
@@ -85,12 +85,13 @@ class GatherScheduler:
 
     def __init__(self, module: nn.Module, units: list[ShardedUnit], *, group: dist.ProcessGroup | None,
                  logger: CommsLogger | None, prefetch_bucket_size: int, max_live: int, max_reuse: int,
-                 post: float, predivide: float, sanity_checks: bool):
+                 post: float, predivide: float, sanity_checks: bool, reduce_bucket_size: int = 1):
         self.module, self.units, self.root = module, units, units[0]
         self.group, self.logger = group, logger
         self.world = dist.get_world_size(group)
         self.prefetch_bucket_size, self.max_live, self.max_reuse = prefetch_bucket_size, max_live, max_reuse
         self.post, self.predivide, self.sanity_checks = post, predivide, sanity_checks
+        self.reduce_bucket_size = reduce_bucket_size
         self.managed: dict[int, ShardedParam] = {id(sp.param): sp for u in units for sp in u.params}
         self._order: list[int] = []        # unit indices in this forward's order
         self._last_order: list[int] = []   # ... in the previous forward's (drives prefetch and reuse)
@@ -100,7 +101,9 @@ class GatherScheduler:
         self._ran: set[int] = set()        # units whose forward ran with grad since the last reduction
         self._reduced: set[int] = set()
         self._grads_ready = [0] * len(units)
-        self._pending: list = []
+        self._pending: list = []           # launched buckets: (handle, [(unit, reduced slice)])
+        self._bucket: list[ShardedUnit] = []  # units whose full gradients wait for the next bucket
+        self._bucket_numel = 0
         self._held: list[ShardedUnit] = []  # gathered for external parameters until the iteration ends
         self._callback_task: int | None = None
         self._depth = 0
@@ -307,21 +310,37 @@ class GatherScheduler:
             self._reduce(u)
 
     def _reduce(self, u: ShardedUnit) -> None:
+        """u's gradients are complete: put the unit in the open bucket (launched first if u would
+        overflow it, and right after if u fills it) and release the unit; its full gradients stay on
+        the parameters until the bucket is launched."""
         if u.status is GATHERING:
             u.finish_gather()
-        self._pending.append((u, *u.start_reduce(self.group, self.logger, self.predivide)))
+        n = u.layout.padded
+        if self._bucket and self._bucket_numel + n > self.reduce_bucket_size:
+            self._launch_bucket()
+        self._bucket.append(u)
+        self._bucket_numel += n
         self._reduced.add(u.index)
         self._ran.discard(u.index)
         self._grads_ready[u.index] = 0
         if not u.pins and not any(a is u for a, _ in self._active):
             self._release(u)
+        if self._bucket_numel >= self.reduce_bucket_size:
+            self._launch_bucket()
+
+    def _launch_bucket(self) -> None:
+        if self._bucket:
+            self._pending.append(start_bucket_reduce(self._bucket, group=self.group, logger=self.logger,
+                                                     predivide=self.predivide))
+            self._bucket, self._bucket_numel = [], 0
         while len(self._pending) > _MAX_REDUCE_IN_FLIGHT:
             self._finish_reduce(self._pending.pop(0))
 
     def _finish_reduce(self, pending) -> None:
-        u, handle, out, _flat = pending
+        handle, pieces = pending
         handle.wait()
-        u.accumulate(out, self.post)
+        for u, out in pieces:
+            u.accumulate(out, self.post)
 
     def flush(self) -> None:
         """Reduce every unit that ran forward or got gradients but was not reduced (zeros for missing
@@ -330,6 +349,7 @@ class GatherScheduler:
         for i in sorted(todo, reverse=True):
             if i not in self._reduced:
                 self._reduce(self.units[i])
+        self._launch_bucket()
         while self._pending:
             self._finish_reduce(self._pending.pop(0))
         self._ran.clear()
