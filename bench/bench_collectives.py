@@ -7,11 +7,13 @@ For each world size one torchrun launch (gloo, 1 thread per rank) times, per siz
 `--repeats` calls (a barrier before each, the slowest rank's time is not taken: rank 0's is, the
 collectives end together), interleaved:
 - all-gather: `dist.all_gather_into_tensor` (torch) against `zerospeed.comm.ops.start_all_gather`
-  (on gloo: one in-place broadcast per source rank), in place (input = own slice of output);
+  (on gloo: point-to-point messages, one isend/irecv per other rank), in place (input = own slice of
+  output), and the one in-place broadcast per source rank that zerospeed ran before;
 - reduce-scatter: `dist.reduce_scatter_tensor` (torch; on gloo a clone + all-reduce + copy) and
   `dist.reduce_scatter` (list of N inputs) against `start_reduce_scatter(..., input_is_scratch=True)`
-  (on gloo an all-to-all + a local sum), and a plain in-place `dist.all_reduce` of the same buffer
-  (what zerospeed ran before eed0c0d) for reference.
+  (on gloo point-to-point messages into an [(N-1)k] buffer + a local sum), the all-to-all into an
+  [N*k] buffer + sum it replaced, and a plain in-place `dist.all_reduce` of the same buffer (what
+  zerospeed ran before eed0c0d) for reference.
 Prints a markdown table; the numbers behind the choices in `comm/ops.py` (bench/README.md).
 """
 from __future__ import annotations
@@ -24,6 +26,18 @@ import sys
 import time
 
 SIZES = (1_000_000, 2_700_000, 6_500_000, 10_844_160)  # 10,844,160 = the small GPT's Ψ
+
+
+def _all_to_all_sum(flat, own, world) -> None:
+    import torch
+    import torch.distributed as dist
+
+    received = torch.empty_like(flat)
+    dist.all_to_all_single(received, flat)
+    pieces = received.view(world, -1)
+    torch.add(pieces[0], pieces[1], out=own)
+    for piece in pieces[2:]:
+        own.add_(piece)
 
 
 def _worker(sizes: list[int], repeats: int) -> None:
@@ -45,9 +59,12 @@ def _worker(sizes: list[int], repeats: int) -> None:
         cases = {
             "all-gather: torch all_gather_into_tensor": lambda: dist.all_gather_into_tensor(flat, own),
             "all-gather: zerospeed start_all_gather": lambda: start_all_gather(flat, own, group=None).wait(),
+            "(all-gather: N broadcasts)": lambda: [w.wait() for w in [
+                dist.broadcast(flat[i * k:(i + 1) * k], src=i, async_op=True) for i in range(world)]],
             "reduce-scatter: torch reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out, flat),
             "reduce-scatter: zerospeed, input_is_scratch": lambda: start_reduce_scatter(
                 own, flat, group=None, input_is_scratch=True).wait(),
+            "(reduce-scatter: all-to-all + sum)": lambda: _all_to_all_sum(flat, own, world),
             "reduce-scatter: torch reduce_scatter (list)": lambda: dist.reduce_scatter(out, list(flat.chunk(world))),
             "(all-reduce, in place)": lambda: dist.all_reduce(flat),
         }

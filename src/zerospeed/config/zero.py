@@ -134,8 +134,9 @@ class ZeroConfig(ConfigModel):
     """Reduce gradients with reduce-scatter instead of all-reduce (stages 1-2)."""
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     """Elements reduced per gradient bucket (default 5e8 elements, not bytes). zerospeed: when the key
-    is absent, stages 0-2 use PyTorch DDP's 25 MiB buckets instead (`zero.buckets.bucket_elements`):
-    5e8 is a single bucket, so no reduction overlaps backward; the sums are the same."""
+    is absent, stages 0-3 use PyTorch DDP's 25 MiB buckets instead (`zero.buckets.bucket_elements`):
+    5e8 is a single bucket, so no reduction overlaps backward; the sums are the same. Stage 3 puts the
+    gradients of consecutive gather units in one bucket (DeepSpeed's stage-3 ipg bucket)."""
     use_multi_rank_bucket_allreduce: bool = True
     """Combine the ranks' reduce buckets into one all-reduce."""
     allgather_partitions: bool = True

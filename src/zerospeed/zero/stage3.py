@@ -6,15 +6,17 @@ ZeRO, Rajbhandari et al. 2020, §5.3 (P_os+g+p). Each rank keeps 1/N of every ga
 needs gathering: the next forward gathers. `stage3_schedule.py` gathers, releases, prefetches and
 reduce-scatters units from module and autograd hooks; `stage3_state_dict.py` keeps state dicts full.
 
-At rest (between steps) a rank holds, in fp32, its shards (4Ψ/N bytes), their gradients (4Ψ/N) and
-Adam's two moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit. Under bf16/fp16 (a
+After backward a rank holds, in fp32, its shards (4Ψ/N bytes), their gradients (4Ψ/N) and Adam's two
+moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit; the step frees the gradients (set to None,
+as torch's `zero_grad`), so 12Ψ/N between steps. Under bf16/fp16 (a
 `MixedPrecisionPolicy`) each unit's `shard` is the fp32 master and `lp_shard` its 2-byte copy that
 the next forward all-gathers; gradients are reduce-scattered in the reduce dtype and accumulated in
 fp32: 2Ψ/N (params) + 4Ψ/N (fp32 grads) + 8Ψ/N (Adam) + 4Ψ/N (master) = 18Ψ/N, against the paper's
 16Ψ/N, which keeps 2-byte gradient partitions (so does DeepSpeed by default, converting to fp32 per
 step; we accumulate micro-steps in fp32 instead). Per step, with
-`stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and 1 + blocks reduce-scatters, about 3Ψ
-elements (§7.2.2): the root is gathered once and held through backward, each block twice.
+`stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and one reduce-scatter per gradient bucket
+(`reduce_bucket_size` elements of consecutive units), about 3Ψ elements (§7.2.2): the root is
+gathered once and held through backward, each block twice.
 """
 from __future__ import annotations
 

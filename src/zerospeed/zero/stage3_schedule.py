@@ -8,10 +8,13 @@ unit's outputs, post-accumulate-grad hooks, one end-of-backward autograd callbac
             unit post-forward -> release (unless reused soon), and hook the outputs so the first
                                  gradient reaching them re-gathers the unit
   backward: pre-backward      -> all-gather the unit again, prefetch the previous units
-            post-accumulate   -> when every parameter of the unit has its gradient: reduce-scatter
-                                 the flat gradient, release the unit and drop the full gradients
-            end of backward   -> flush units whose gradients never all arrived, wait, average and
-                                 accumulate into `shard.grad`, release whatever is still gathered
+            post-accumulate   -> when every parameter of the unit has its gradient: release the unit
+                                 and add it to the reduce bucket; a bucket holding `reduce_bucket_size`
+                                 elements is reduce-scattered (one collective for its units), and its
+                                 units' full gradients are dropped
+            end of backward   -> flush units whose gradients never all arrived and the open bucket,
+                                 wait, average and accumulate into `shard.grad`, release whatever is
+                                 still gathered
 
 The root unit is gathered at the start of the root forward and held until its gradients are reduced
 at the end of backward. Every rank runs the same hooks in the same order (same model), so the

@@ -16,7 +16,8 @@ performance complaint; FSDP2 users wrap each transformer block. We pick blocks b
 * frozen parameters (requires_grad=False) are not managed: they stay whole on every rank.
 
 Per step (no prefetch reuse): the root is all-gathered once, each block twice (forward and backward),
-and every unit's gradient is reduce-scattered once (ZeRO, Rajbhandari et al. 2020, §5.3 and §7.2.2).
+and every unit's gradient is reduce-scattered once, in a bucket with its neighbours (ZeRO,
+Rajbhandari et al. 2020, §5.3 and §7.2.2).
 """
 from __future__ import annotations
 
