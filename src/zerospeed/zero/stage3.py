@@ -10,10 +10,10 @@ After backward a rank holds, in fp32, its shards (4Ψ/N bytes), their gradients 
 moments (8Ψ/N): 16Ψ/N plus < N padding elements per unit; the step frees the gradients (set to None,
 as torch's `zero_grad`), so 12Ψ/N between steps. Under bf16/fp16 (a
 `MixedPrecisionPolicy`) each unit's `shard` is the fp32 master and `lp_shard` its 2-byte copy that
-the next forward all-gathers; gradients are reduce-scattered in the reduce dtype and accumulated in
-fp32: 2Ψ/N (params) + 4Ψ/N (fp32 grads) + 8Ψ/N (Adam) + 4Ψ/N (master) = 18Ψ/N, against the paper's
-16Ψ/N, which keeps 2-byte gradient partitions (so does DeepSpeed by default, converting to fp32 per
-step; we accumulate micro-steps in fp32 instead). Per step, with
+the next forward all-gathers; gradients are reduce-scattered in the reduce dtype (2 bytes by
+default) and kept so until the step converts them to fp32 (as DeepSpeed does): after backward
+2Ψ/N (params) + 2Ψ/N (grads) + 8Ψ/N (Adam) + 4Ψ/N (master) = 16Ψ/N, the paper's figure. With
+gradient accumulation the second micro-step converts and micro-steps accumulate in fp32 (4Ψ/N). Per step, with
 `stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and one reduce-scatter per gradient bucket
 (`reduce_bucket_size` elements of consecutive units), about 3Ψ elements (§7.2.2): the root is
 gathered once and held through backward, each block twice.
@@ -227,6 +227,8 @@ class Stage3Strategy(ZeroStrategy):
         rank if any shard overflowed); if it is finite, scale gradients by max_norm / (norm + 1e-6)
         if that is < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element
         all-reduce."""
+        for u in self.units:
+            u.materialize_grad()
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -241,6 +243,7 @@ class Stage3Strategy(ZeroStrategy):
         """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""
         local = []
         for u in self.units:
+            u.materialize_grad()
             g = u.shard.grad
             if g is None or bool(torch.isfinite(g).all()):
                 continue
@@ -256,6 +259,8 @@ class Stage3Strategy(ZeroStrategy):
         """Step the optimizer on the shards; units still gathered (pinned) are re-gathered, others released."""
         if self.optimizer is None:
             return
+        for u in self.units:  # (clip_and_norm did this already when the engine steps)
+            u.materialize_grad()
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
             self.swapped.step([u.shard.grad if u.shard.grad is not None else  # a unit no backward reached
                                torch.zeros(u.layout.shard_numel, dtype=u.master_dtype, device=u.shard.device)
@@ -269,20 +274,22 @@ class Stage3Strategy(ZeroStrategy):
         """Drop the shard gradients (set to None, as torch's `zero_grad(set_to_none=True)`: 4Ψ/N bytes
         are free from the step to the next backward) and any full gradients."""
         for u in self.units:
-            u.shard.grad = None
+            u.shard.grad = u.lp_grad = None
             for sp in u.params:
                 sp.param.grad = None
 
     # -- accounting and teardown ----------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds now. params: shards in the parameter dtype + gathered full buffers +
-        frozen parameters; grads: shard gradients + full gradients not yet reduced; master_weights:
-        the fp32 shards under mixed precision (0 in fp32, where they are the parameter shards). At
-        rest in fp32 ≈ 4Ψ/N + 4Ψ/N (+ padding), plus Adam's 8Ψ/N in optimizer_states (ZeRO,
-        Rajbhandari et al. 2020, §5.3); under bf16/fp16 2Ψ/N + 4Ψ/N + 8Ψ/N + 4Ψ/N."""
+        frozen parameters; grads: shard gradients (fp32, or the 2-byte reduced ones not yet converted)
+        + full gradients not yet reduced; master_weights: the fp32 shards under mixed precision (0 in
+        fp32, where they are the parameter shards). After backward in fp32 ≈ 4Ψ/N + 4Ψ/N (+ padding),
+        plus Adam's 8Ψ/N in optimizer_states (ZeRO, Rajbhandari et al. 2020, §5.3); under bf16/fp16
+        2Ψ/N + 2Ψ/N + 8Ψ/N + 4Ψ/N (4Ψ/N gradients with accumulation); no gradients after the step."""
         params = sum(u.lp_shard.numel() * u.lp_shard.element_size() + u.gathered_bytes() for u in self.units)
         params += sum(p.numel() * p.element_size() for p in self._frozen)
-        grads = sum(u.shard.grad.numel() * u.shard.grad.element_size() for u in self.units if u.shard.grad is not None)
+        grads = sum(g.numel() * g.element_size() for u in self.units for g in (u.shard.grad, u.lp_grad)
+                    if g is not None)
         grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
                      if sp.param.grad is not None)
         masters = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.has_master)

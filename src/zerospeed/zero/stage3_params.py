@@ -227,6 +227,8 @@ class ShardedUnit:
             kept = self.swapper.add(index, self.lp_shard)
             self.lp_shard = kept if kept is not None else self.placeholder
         self.master_store = None  # a SwappedOptimizer holding the master (NVMe), set by the strategy
+        self.lp_grad: torch.Tensor | None = None  # a reduced bf16/fp16 gradient not yet in shard.grad
+        self._lp_grad_post = 1.0
         self.status = ParamStatus.GATHERED
         self.pins = 0
         self.handle: CommHandle | None = None
@@ -284,23 +286,33 @@ class ShardedUnit:
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
         """shard.grad += reduced / post (post = world size for averaging; a None `shard.grad` is created
-        here, so between steps it holds no memory); a bf16/fp16 `reduced` is added into the fp32
-        accumulator and divided in fp32. `reduced` is not kept (it may be a view into a bucket)."""
+        here, so between steps it holds no memory). `reduced` is not kept (it may be a view into a
+        bucket). A bf16/fp16 `reduced` of the first micro-step is kept as it is (`lp_grad`, 2 bytes per
+        element: the paper's 2Ψ/N gradient partition) until `materialize_grad` turns it into the fp32
+        `shard.grad` at the step; a second micro-step does that first and adds into the fp32
+        accumulator, divided in fp32 (the same roundings either way)."""
+        owned = reduced.device != self.shard.device
+        if owned:  # optimizer offload: the gradient goes down to the host
+            reduced = reduced.to(self.shard.device, non_blocking=True)
+        if self.shard.grad is None and self.lp_grad is None and reduced.dtype != self.master_dtype:
+            self.lp_grad, self._lp_grad_post = (reduced if owned else reduced.clone()), post
+            return
+        self.materialize_grad()
         grad = self.shard.grad
-        device = self.shard.device
-        if reduced.device != device:  # optimizer offload: the gradient goes down to the host
-            reduced = reduced.to(device, non_blocking=True)
         if grad is None:  # the same roundings as adding into zeros below
-            if reduced.dtype != self.master_dtype:
-                self.shard.grad = torch.mul(reduced.to(self.master_dtype), 1.0 / post)
-            else:
-                self.shard.grad = torch.div(reduced, post) if post != 1.0 else reduced.clone()
+            self.shard.grad = torch.div(reduced, post) if post != 1.0 else (reduced if owned else reduced.clone())
         elif reduced.dtype != grad.dtype:
             grad.add_(reduced, alpha=1.0 / post)
         else:
             if post != 1.0:
                 reduced.div_(post)
             grad.add_(reduced)
+
+    def materialize_grad(self) -> None:
+        """Turn a kept low-precision gradient (`lp_grad`) into the fp32 `shard.grad` (times 1/post)."""
+        if self.lp_grad is not None:
+            self.shard.grad = torch.mul(self.lp_grad.to(self.master_dtype), 1.0 / self._lp_grad_post)
+            self.lp_grad = None
 
     # -- whole-unit helpers -------------------------------------------------------------------
     def sync_rebound(self) -> None:
