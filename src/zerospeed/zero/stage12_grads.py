@@ -26,9 +26,9 @@ buffer, whose views are the parameters' `.grad`); `reduce_dtype`, the collective
 
 Every reduce-scatter input here is ours to overwrite (stage 2's scratch, stage 1's flat gradient or
 its cast temporary), so `_ChunkReducer` passes `input_is_scratch=True` to
-`comm.ops.start_reduce_scatter` (on gloo: an all-to-all and a local sum instead of gloo's clone +
-all-reduce; the all-to-all receives into a temporary of the chunk's size, so each chunk in flight
-holds two L-element buffers until its `wait()`). Only this rank's shard of a chunk holds the reduced
+`comm.ops.start_reduce_scatter` (on gloo: point-to-point messages and a local sum instead of gloo's
+clone + all-reduce; the messages for this rank land in a temporary of (N-1)/N of the chunk's size,
+so each chunk in flight holds its L-element buffer and that temporary until its `wait()`). Only this rank's shard of a chunk holds the reduced
 gradient afterwards; stage 1's `.grad` views elsewhere hold this rank's own unreduced values, as in
 DeepSpeed.
 """

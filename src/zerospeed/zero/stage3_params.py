@@ -123,7 +123,7 @@ def start_bucket_reduce(units: list[ShardedUnit], *, group: dist.ProcessGroup | 
         c += k
     if predivide != 1.0:
         bucket.div_(predivide)
-    # in place: the bucket is scratch (on gloo: all-to-all + local sum, no clone)
+    # in place: the bucket is scratch (on gloo: point-to-point messages + local sum, no clone)
     handle = start_reduce_scatter(bucket[rank], bucket.view(-1), group=group, logger=logger, input_is_scratch=True)
     return handle, pieces
 
