@@ -138,7 +138,7 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
     with record_function("zerospeed::reduce_scatter"):
         if (input_is_scratch and op == dist.ReduceOp.SUM and _split_by_rank(group)
                 and _is_own_slice(output, input, group)):
-            world, rank, k = dist.get_world_size(group), dist.get_rank(group), output.numel()
+            world, k = dist.get_world_size(group), output.numel()
             received = torch.empty((world - 1) * k, dtype=input.dtype, device=input.device)
             work = _SumAfter(_messages(group, lambda dst: input[dst * k:(dst + 1) * k],
                                        lambda j, src: received[(j - 1) * k:j * k], _REDUCE_SCATTER_TAG),

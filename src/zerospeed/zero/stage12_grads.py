@@ -28,9 +28,9 @@ Every reduce-scatter input here is ours to overwrite (stage 2's scratch, stage 1
 its cast temporary), so `_ChunkReducer` passes `input_is_scratch=True` to
 `comm.ops.start_reduce_scatter` (on gloo: point-to-point messages and a local sum instead of gloo's
 clone + all-reduce; the messages for this rank land in a temporary of (N-1)/N of the chunk's size,
-so each chunk in flight holds its L-element buffer and that temporary until its `wait()`). Only this rank's shard of a chunk holds the reduced
-gradient afterwards; stage 1's `.grad` views elsewhere hold this rank's own unreduced values, as in
-DeepSpeed.
+so each chunk in flight holds its L-element buffer and that temporary until its `wait()`). Only
+this rank's shard of a chunk holds the reduced gradient afterwards; stage 1's `.grad` views
+elsewhere hold this rank's own unreduced values, as in DeepSpeed.
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ as torch's `zero_grad`), so 12Ψ/N between steps. Under bf16/fp16 (a
 the next forward all-gathers; gradients are reduce-scattered in the reduce dtype (2 bytes by
 default) and kept so until the step converts them to fp32 (as DeepSpeed does): after backward
 2Ψ/N (params) + 2Ψ/N (grads) + 8Ψ/N (Adam) + 4Ψ/N (master) = 16Ψ/N, the paper's figure. With
-gradient accumulation the second micro-step converts and micro-steps accumulate in fp32 (4Ψ/N). Per step, with
-`stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and one reduce-scatter per gradient bucket
-(`reduce_bucket_size` elements of consecutive units), about 3Ψ elements (§7.2.2): the root is
-gathered once and held through backward, each block twice.
+gradient accumulation the second micro-step converts and micro-steps accumulate in fp32 (4Ψ/N).
+Per step, with `stage3_max_reuse_distance` 0: 1 + 2 x blocks all-gathers and one reduce-scatter per
+gradient bucket (`reduce_bucket_size` elements of consecutive units), about 3Ψ elements (§7.2.2):
+the root is gathered once and held through backward, each block twice.
 """
 from __future__ import annotations
 
@@ -227,8 +227,7 @@ class Stage3Strategy(ZeroStrategy):
         rank if any shard overflowed); if it is finite, scale gradients by max_norm / (norm + 1e-6)
         if that is < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element
         all-reduce."""
-        for u in self.units:
-            u.materialize_grad()
+        self._materialize_grads()
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -242,8 +241,8 @@ class Stage3Strategy(ZeroStrategy):
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""
         local = []
+        self._materialize_grads()
         for u in self.units:
-            u.materialize_grad()
             g = u.shard.grad
             if g is None or bool(torch.isfinite(g).all()):
                 continue
@@ -255,12 +254,16 @@ class Stage3Strategy(ZeroStrategy):
                     local.append(((u.index, sp.index), sp.fqn))
         return first_nonfinite(local, group=self.group, limit=limit)
 
+    def _materialize_grads(self) -> None:
+        """Every unit's kept 2-byte gradient becomes its fp32 `shard.grad` (what the step reads)."""
+        for u in self.units:
+            u.materialize_grad()
+
     def optimizer_step(self) -> None:
         """Step the optimizer on the shards; units still gathered (pinned) are re-gathered, others released."""
         if self.optimizer is None:
             return
-        for u in self.units:  # (clip_and_norm did this already when the engine steps)
-            u.materialize_grad()
+        self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
             self.swapped.step([u.shard.grad if u.shard.grad is not None else  # a unit no backward reached
                                torch.zeros(u.layout.shard_numel, dtype=u.master_dtype, device=u.shard.device)
