@@ -16,9 +16,10 @@ Tolerances (measured here, then set ~10-20x above; all runs are deterministic, s
   Adam turns those rounding-level gradient differences into lr-sized updates of elements whose
   gradient is ~0, as in test_stage0_parity.py; bf16/fp16 vs fp32 masters likewise differ by ~5%
   of max|w| for that reason, so they are compared through the loss.)
-Memory (bf16, at rest, per rank, N = 2): params 2Ψ (stage 3: 2Ψ/N), Adam 8Ψ/N, fp32 masters 4Ψ/N as
-in the paper; gradients: stage 1 2Ψ (paper), stages 2 and 3 an fp32 partition 4Ψ/N where the paper
-(and DeepSpeed by default) keeps 2Ψ/N in bf16: we accumulate micro-steps in fp32.
+Memory (bf16, per rank, N = 2; stages 0-1 after the step, stages 2-3 after the last backward, as
+they free gradients at the step): params 2Ψ (stage 3: 2Ψ/N), Adam 8Ψ/N, fp32 masters 4Ψ/N as in
+the paper; gradients: stage 1 2Ψ (paper), stages 2 and 3 the 2-byte reduced partition 2Ψ/N (paper),
+converted to fp32 at the step (with accumulation the second micro-step converts and adds in fp32).
 """
 import pytest
 import torch
@@ -105,9 +106,9 @@ def train_run(rank, world, stage, precision, case):
            "param_dtypes": {p.dtype for p in model.parameters()},
            # the low-precision parameters are the masters rounded (and all-gathered) after the last step
            "params_are_rounded_masters": all(torch.equal(state[n], m.to(state[n].dtype)) for n, m in masters.items()),
-           # stage 3 frees its gradient shards at the step: its model states are counted after the last
-           # backward; stages 0-2 keep gradient buffers and create the fp32 partition inside the step
-           "memory": memory[-1] if stage == 3 else engine.memory_breakdown(), "padding": _padding(engine.strategy),
+           # stages 2-3 free their gradient partitions at the step: their model states are counted after
+           # the last backward; stages 0-1 keep gradient buffers and create the fp32 partition inside the step
+           "memory": memory[-1] if stage >= 2 else engine.memory_breakdown(), "padding": _padding(engine.strategy),
            "flags": (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.loss_scale, engine.skipped_steps)}
     engine.destroy()
     return out
@@ -262,9 +263,7 @@ def test_memory_breakdown_bf16_matches_mixed_precision_formula(world2):
             res = r[("bf16", stage, "plain")]
             mem = res["memory"]
             want = estimate_model_states_memory(PSI, stage, 2, "mixed")
-            if stage == 2:
-                want["grads"] *= 2  # fp32 gradient partition (4Ψ/N) instead of the paper's 2-byte one
-            # stage 3 keeps the 2-byte reduced gradient until the step (the paper's 2Ψ/N)
+            # stages 2-3 keep the 2-byte reduced gradient until the step (the paper's 2Ψ/N)
             if stage == 0:
                 want["grads"] *= 2  # fp32 accumulation buckets (4Ψ); DeepSpeed's bf16 optimizer keeps 2Ψ + 4Ψ
             for key in ("params", "grads", "optimizer_states", "master_weights"):

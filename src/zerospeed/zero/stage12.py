@@ -17,7 +17,8 @@ chunk), so every rank holds the full updated parameters.
 Gradients (`stage12_grads.py`): reduce-scattered chunk by chunk while backward runs, in the
 policy's reduce dtype; this rank's averaged shard ends in `grads.partition_grad` ([K, S], fp32
 under mixed precision), which is unscaled (fp16), clipped and handed to the optimizer. Stage 1
-keeps the full gradient in the parameter dtype (Ψ), stage 2 only the partition gradient (Ψ/N).
+keeps the full gradient in the parameter dtype (Ψ), stage 2 only the partition gradient (Ψ/N;
+under mixed precision the 2-byte reduced sums until the step converts them, then freed at the step).
 Communication per step and rank: reduce-scatter input Ψ (stage 2: Ψ per micro-step) + all-gather
 output Ψ elements, i.e. 2Ψ, as for an all-reduce (§7); 2 bytes per element under bf16/fp16.
 """
@@ -197,6 +198,7 @@ class Stage12Strategy(ZeroStrategy):
         equals `clip_grad_norm_` on the full gradient, and is inf/nan on every rank if any rank's
         partition overflowed. If max_norm > 0 and the norm is finite, scale by
         min(1, max_norm / (norm + 1e-6)) as torch does."""
+        self.grads.materialize()
         g = self.grads.partition_grad
         if loss_scale != 1.0:
             g.mul_(1.0 / loss_scale)
@@ -210,6 +212,7 @@ class Stage12Strategy(ZeroStrategy):
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's partition gradient (first `limit`). Collective."""
+        self.grads.materialize()
         bad = ~torch.isfinite(self.grads.partition_grad).reshape(-1)
         local = []
         if bool(bad.any()):
@@ -226,6 +229,7 @@ class Stage12Strategy(ZeroStrategy):
         hold the full updated parameters."""
         if self.optimizer is None:
             return
+        self.grads.materialize()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in this rank's shard of flat
             own = self.own_params
             self.swapped.step([self.grads.partition_grad],
@@ -251,7 +255,7 @@ class Stage12Strategy(ZeroStrategy):
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
-        if self.grads.partition_grad is None:  # stage 1, mixed: fp32 grad freed
+        if self.grads.partition_grad is None:  # mixed precision: the fp32 gradient is freed
             for row in self.master_params:
                 row.grad = None
 
@@ -267,10 +271,11 @@ class Stage12Strategy(ZeroStrategy):
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding
         elements, 2 or 4 bytes); grads = stage 1 the flat gradient buffer (Ψ + padding, parameter
         dtype; under mixed precision plus the fp32 partition gradient, 4Ψ/N, between the reduction
-        and zero_grad()), stage 2 the partition gradient (Ψ/N, fp32 under mixed precision) plus any
-        scratch held right now (none between backwards); optimizer_states = the optimizer's state
-        tensors over the partition (Adam: 8Ψ/N bytes); master_weights = the fp32 partition under
-        mixed precision (4Ψ/N), 0 in fp32 because the master is a view of the parameters."""
+        and zero_grad()), stage 2 the partition gradient (Ψ/N; under mixed precision 2-byte after
+        backward, fp32 from clipping to the step, none after it) plus any scratch held right now
+        (none between backwards); optimizer_states = the optimizer's state tensors over the partition
+        (Adam: 8Ψ/N bytes); master_weights = the fp32 partition under mixed precision (4Ψ/N), 0 in
+        fp32 because the master is a view of the parameters."""
         if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)
             states, masters = self.swapped.resident_bytes(), 0
         else:

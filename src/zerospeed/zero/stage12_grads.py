@@ -98,6 +98,9 @@ class _ChunkReducer(OrderedBucketHooks):
     def _after_finish(self) -> None:
         pass
 
+    def materialize(self) -> None:
+        """Make `partition_grad` the fp32 gradient the step reads (Stage2Grads may hold 2-byte sums)."""
+
     def _copy_into_chunk(self, index: int, grad: torch.Tensor, chunk: int, dst: torch.Tensor) -> None:
         """Copy the part of parameter `index`'s gradient that lies in `chunk` into `dst` ([L])."""
         p_start, p_end = self.layout.param_range(index)
@@ -153,13 +156,20 @@ class Stage1Grads(_ChunkReducer):
 
 
 class Stage2Grads(_ChunkReducer):
-    """Stage 2: persistent partition gradient ([K, S], `grad_dtype`) plus per-chunk scratch ([L],
-    `reduce_dtype`) while reducing."""
+    """Stage 2: the partition gradient ([K, S], `grad_dtype`) plus per-chunk scratch ([L],
+    `reduce_dtype`) while reducing. fp32: persistent, zeroed by `zero_grad`. Mixed precision: the
+    first backward of a step keeps the 2-byte reduced sums as they are (`lp_grad`, [K, S]: the paper's
+    2Ψ/N gradient partition), turned into the fp32 `partition_grad` (times 1/post) by `materialize()`
+    when the step reads it, or first thing in a second backward (gradient accumulation then adds in
+    fp32, as before); `zero_grad` frees both."""
 
     def __init__(self, params, layout, names, **kw):
         super().__init__(params, layout, names, **kw)
-        self.partition_grad = torch.zeros(layout.num_chunks, layout.shard_numel, dtype=self.grad_dtype,
-                                          device=self.device)
+        self.lazy = self.grad_dtype != self.reduce_dtype
+        self.partition_grad = None if self.lazy else \
+            torch.zeros(layout.num_chunks, layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        self.lp_grad: torch.Tensor | None = None
+        self._lp_complete = False  # lp_grad holds a whole backward's sums (a next backward materializes)
         self._scratch: dict[int, torch.Tensor] = {}
         self._free: list[torch.Tensor] = []
         # per chunk: (parameter index, [lo, hi) within the chunk) of every parameter with elements in it
@@ -210,6 +220,14 @@ class Stage2Grads(_ChunkReducer):
                 self._mark_ready(i)
 
     def _complete(self, chunk, own):
+        if self.lazy and self.partition_grad is None and not self._lp_complete:
+            if self.lp_grad is None:
+                self.lp_grad = torch.empty(self.layout.num_chunks, self.layout.shard_numel, dtype=own.dtype,
+                                           device=self.device)
+            self.lp_grad[chunk].copy_(own)
+            self._free.append(self._scratch.pop(chunk))
+            return
+        self.materialize()
         if own.dtype == self.partition_grad.dtype:
             if self.post != 1.0:
                 own.div_(self.post)
@@ -220,15 +238,28 @@ class Stage2Grads(_ChunkReducer):
 
     def _after_finish(self):
         self._free = []  # between backwards a rank holds only its partition gradient
+        self._lp_complete = self.lp_grad is not None
+
+    def materialize(self) -> None:
+        """The kept 2-byte sums (`lp_grad`) become the fp32 `partition_grad`, times 1/post (the same
+        rounding as adding them into zeros)."""
+        if self.lp_grad is not None:
+            self.partition_grad = torch.mul(self.lp_grad.to(self.grad_dtype), 1.0 / self.post)
+            self.lp_grad, self._lp_complete = None, False
 
     def scratch_bytes(self) -> int:
         n = len(self._scratch) + len(self._free)
         return n * self.layout.chunk_numel * torch.empty(0, dtype=self.reduce_dtype).element_size()
 
     def zero_grad(self):
-        self.partition_grad.zero_()
+        if self.lazy:
+            self.partition_grad = self.lp_grad = None
+            self._lp_complete = False
+        else:
+            self.partition_grad.zero_()
         for p in self.params:
             p.grad = None
 
     def grad_bytes(self) -> int:
-        return self.partition_grad.numel() * self.partition_grad.element_size() + self.scratch_bytes()
+        return sum(g.numel() * g.element_size() for g in (self.partition_grad, self.lp_grad) if g is not None) \
+            + self.scratch_bytes()
