@@ -270,8 +270,8 @@ class Stage12Strategy(ZeroStrategy):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding
         elements, 2 or 4 bytes); grads = stage 1 the flat gradient buffer (Ψ + padding, parameter
-        dtype; under mixed precision plus the fp32 partition gradient, 4Ψ/N, between the reduction
-        and zero_grad()), stage 2 the partition gradient (Ψ/N; under mixed precision 2-byte after
+        dtype; under mixed precision plus the fp32 partition gradient, 4Ψ/N, from clipping to
+        zero_grad()), stage 2 the partition gradient (Ψ/N; under mixed precision 2-byte after
         backward, fp32 from clipping to the step, none after it) plus any scratch held right now
         (none between backwards); optimizer_states = the optimizer's state tensors over the partition
         (Adam: 8Ψ/N bytes); master_weights = the fp32 partition under mixed precision (4Ψ/N), 0 in

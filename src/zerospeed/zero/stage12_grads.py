@@ -123,6 +123,9 @@ class Stage1Grads(_ChunkReducer):
         self._own_view = self.flat.view(layout.num_chunks, layout.chunk_numel)[:, r * s:(r + 1) * s]
         self.separate = self.grad_dtype != self.dtype  # fp32 partition gradient of its own (mixed precision)
         self.partition_grad = None if self.separate else self._own_view
+        # mixed precision, reduced in place: the 2-byte sums stay in `flat` until `materialize()`
+        self.lazy = self.separate and self.dtype == self.reduce_dtype
+        self._reduced = False
 
     def _store_grad(self, index, p):
         self._views.store(index, p)
@@ -134,6 +137,9 @@ class Stage1Grads(_ChunkReducer):
         self._views.attach()
 
     def _complete(self, chunk, own):
+        if self.lazy:  # `own` is this chunk's row of _own_view: converted by materialize()
+            self._reduced = True
+            return
         if self.partition_grad is None:
             self.partition_grad = torch.empty(self.layout.num_chunks, self.layout.shard_numel, dtype=self.grad_dtype,
                                               device=self.device)
@@ -143,11 +149,20 @@ class Stage1Grads(_ChunkReducer):
         if self.post != 1.0:
             dst.div_(self.post)
 
+    def materialize(self) -> None:
+        """Mixed precision: this rank's reduced 2-byte sums (its shard of each chunk of `flat`) become
+        the fp32 partition gradient, divided by post (the roundings of the eager path)."""
+        if self.lazy and self._reduced:
+            g = self._own_view.to(self.grad_dtype)
+            self.partition_grad = g.div_(self.post) if self.post != 1.0 else g
+            self._reduced = False
+
     def zero_grad(self):
         self.flat.zero_()
         self._views.attach()
         if self.separate:
             self.partition_grad = None
+        self._reduced = False
 
     def grad_bytes(self) -> int:
         extra = self.partition_grad.numel() * self.partition_grad.element_size() \
