@@ -114,10 +114,10 @@ class GradViews:
     added into its fp32 view and `.grad` is freed (`accumulate` mode), so micro-steps accumulate in
     fp32 and a low-precision gradient lives only from its AccumulateGrad to its hook."""
 
-    def __init__(self, params: list[torch.nn.Parameter], views: list[torch.Tensor]):
+    def __init__(self, params: list[torch.nn.Parameter], views: list[torch.Tensor], *, accumulate: bool = False):
         self.params = params
         self.views = views
-        self.accumulate = any(p.dtype != v.dtype for p, v in zip(params, views))
+        self.accumulate = accumulate or any(p.dtype != v.dtype for p, v in zip(params, views))
 
     def store(self, index: int, p: torch.Tensor) -> None:
         """In a post-accumulate-grad hook: move a fresh `.grad` (grads were None) into its view
@@ -155,6 +155,13 @@ class GradientAllReducer(OrderedBucketHooks):
     under mixed precision, see `GradViews`). reduce_dtype: dtype of the all-reduce (default
     grad_dtype); if it differs, each bucket is cast to a temporary for the collective and back.
     `grad_views[i]`: parameter i's gradient, a view into its bucket.
+
+    Lazy mode (`lazy`: mixed precision with the collective in the parameters' 2-byte dtype): the
+    buckets start in that dtype (2Ψ bytes, the paper's gradients), gradients are added in and freed
+    as in fp32 mode, and the all-reduce runs in place; `materialize()` then makes fp32 buckets (sum /
+    post, the roundings of the fp32 path) for the step, and `zero_grad` returns to 2-byte buckets. A
+    second micro-step turns the buckets into fp32 before its first gradient is added, so gradient
+    accumulation still adds in fp32.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
@@ -172,14 +179,14 @@ class GradientAllReducer(OrderedBucketHooks):
                             f"got {sorted(str(d) for d in {p.dtype for p in params})}")
         self.grad_dtype = grad_dtype or (params[0].dtype if params else torch.float32)
         self.reduce_dtype = reduce_dtype or self.grad_dtype
+        param_dtype = params[0].dtype if params else self.grad_dtype
+        self.lazy = self.grad_dtype != param_dtype and self.reduce_dtype == param_dtype
+        self.post = (self.world / predivide_factor) if average else (1.0 / predivide_factor)
         self.plan: BucketPlan = plan_buckets([p.numel() for p in params], bucket_size)
-        self.buffers = [torch.zeros(n, dtype=self.grad_dtype, device=params[0].device if params else None)
-                        for n in self.plan.sizes]
-        views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
-        for s in self.plan.slots:
-            views[s.index] = self.buffers[s.bucket][s.offset:s.offset + s.numel].view_as(params[s.index])
-        self.grad_views = views
-        self._grads = GradViews(params, views)
+        self._device = params[0].device if params else None
+        self._set_buffers([torch.zeros(n, dtype=param_dtype if self.lazy else self.grad_dtype, device=self._device)
+                           for n in self.plan.sizes])
+        self._stored = [False] * len(params)  # lazy: got a gradient since the last zero_grad
         self._sends: list[torch.Tensor] = []
         buckets_of = [[] for _ in params]
         for s in self.plan.slots:
@@ -189,14 +196,39 @@ class GradientAllReducer(OrderedBucketHooks):
         self.attach_grads()
 
     # -- gradient storage -------------------------------------------------------------------
+    def _set_buffers(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for s in self.plan.slots:
+            views[s.index] = buffers[s.bucket][s.offset:s.offset + s.numel].view_as(self.params[s.index])
+        self.grad_views = views
+        self._grads = GradViews(self.params, views, accumulate=self.lazy)
+
+    @property
+    def grads_ready(self) -> bool:
+        """True when `grad_views` hold the gradients the step reads (always, except lazy 2-byte sums)."""
+        return not self.buffers or self.buffers[0].dtype == self.grad_dtype
+
+    def materialize(self) -> None:
+        """Lazy mode: the 2-byte all-reduced sums become fp32 buckets divided by post (new `grad_views`)."""
+        if not self.grads_ready:
+            self._set_buffers([b.to(self.grad_dtype).div_(self.post) if self.post != 1.0 else b.to(self.grad_dtype)
+                               for b in self.buffers])
+
     def attach_grads(self) -> None:
         """Point every `.grad` at its bucket view (after a user set grads to None, say)."""
         self._grads.attach()
 
     def zero_grad(self) -> None:
-        """Zero all gradients in place (the buckets); `.grad` keeps pointing at them."""
-        for b in self.buffers:
-            b.zero_()
+        """Zero all gradients in place (the buckets); `.grad` keeps pointing at them. Lazy mode: back
+        to 2-byte buckets."""
+        if self.lazy and self.grads_ready and self.buffers:  # fp32 buckets of the last step: freed
+            self._set_buffers([torch.zeros(n, dtype=self.params[0].dtype, device=self._device)
+                               for n in self.plan.sizes])
+        else:
+            for b in self.buffers:
+                b.zero_()
+        self._stored = [False] * len(self.params)
         self.attach_grads()
 
     # -- reduction ------------------------------------------------------------------------
@@ -207,6 +239,10 @@ class GradientAllReducer(OrderedBucketHooks):
         self._sends = []
 
     def _store_grad(self, index: int, p: torch.Tensor) -> None:
+        if self.lazy:
+            if self._stored[index] and not self.grads_ready:  # a second micro-step: accumulate in fp32
+                self._set_buffers([b.to(self.grad_dtype) for b in self.buffers])
+            self._stored[index] = True
         self._grads.store(index, p)
 
     def _launch(self, slot: int) -> None:
@@ -223,12 +259,12 @@ class GradientAllReducer(OrderedBucketHooks):
             raise RuntimeError("GradientAllReducer.finish() without arm()")
         self.attach_grads()
         self.launch_remaining()
-        post = (self.world / self.predivide) if self.average else (1.0 / self.predivide)
+        post = self.post
         for h, send, buf in zip(self._handles, self._sends, self.buffers):
             h.wait()
             if send is not buf:
                 buf.copy_(send)
-            if post != 1.0:
+            if post != 1.0 and buf.dtype == self.grad_dtype:  # lazy 2-byte sums: divided by materialize()
                 buf.div_(post)
         self._sends = []
         self.phase = ReducePhase.FINISHED

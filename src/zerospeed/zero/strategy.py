@@ -148,11 +148,13 @@ class DataParallelStrategy(ZeroStrategy):
     `MixedPrecisionPolicy.cast_module` (reused as the masters, so no precision is lost at init).
 
     fp32: the optimizer updates the parameters; `.grad` are views into the all-reduce buckets.
-    bf16/fp16: `master_params` is a full fp32 copy (4Ψ bytes); gradients accumulate in fp32 buckets
-    (4Ψ; each low-precision `.grad` is added in and freed by its hook), are all-reduced in
-    `policy.reduce_dtype`, and are the masters' `.grad`; after the step the masters are copied into
-    the parameters. Stage 0 therefore holds 2Ψ + 4Ψ + 4Ψ + 8Ψ (Adam) = 18Ψ bytes, against the
-    paper's 16Ψ (2-byte gradients) and DeepSpeed's bf16 optimizer's 20Ψ (2-byte and fp32 gradients).
+    bf16/fp16: `master_params` is a full fp32 copy (4Ψ bytes); each low-precision `.grad` is added
+    into its bucket and freed by its hook; the buckets are all-reduced in `policy.reduce_dtype` and
+    become the masters' `.grad` (fp32); after the step the masters are copied into the parameters.
+    With the default 2-byte reduce dtype the buckets stay 2-byte until the step converts them
+    (`GradientAllReducer` lazy mode; a second micro-step converts first, so accumulation adds in
+    fp32): 2Ψ + 2Ψ + 4Ψ + 8Ψ (Adam) = 16Ψ bytes after backward, the paper's figure (DeepSpeed's
+    bf16 optimizer: 20Ψ); with an fp32 `communication_data_type` the buckets are fp32 (4Ψ).
     """
 
     stage = 0
@@ -174,8 +176,7 @@ class DataParallelStrategy(ZeroStrategy):
             values = master_values or {}
             self.master_params = [values[id(p)].to(policy.master_dtype) if id(p) in values else
                                   p.detach().to(policy.master_dtype, copy=True) for p in params]
-            for m, view in zip(self.master_params, self.reducer.grad_views):
-                m.grad = view
+            self._link_master_grads()
         else:
             self.master_params = params
         self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
@@ -202,13 +203,26 @@ class DataParallelStrategy(ZeroStrategy):
             self.reducer.disarm()
         self._phase = ReducePhase.IDLE
 
+    def _link_master_grads(self, *, materialize: bool = True) -> None:
+        """Mixed precision: each master's `.grad` is its fp32 bucket view (materialized first after a
+        reduction: the reducer may hold 2-byte sums until the step); None while the buckets are 2-byte."""
+        if not (self.policy.mixed and self.reducer is not None):
+            return
+        if materialize and self.reducer.phase is ReducePhase.FINISHED:
+            self.reducer.materialize()
+        ready = self.reducer.grads_ready
+        for m, view in zip(self.master_params, self.reducer.grad_views):
+            m.grad = view if ready else None
+
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
         """Unscale, norm and clip the (already all-reduced, hence identical on every rank) gradients."""
+        self._link_master_grads()
         if loss_scale != 1.0:
             torch._foreach_mul_([m.grad for m in self.master_params if m.grad is not None], 1.0 / loss_scale)
         return clip_and_norm(self.master_params, max_norm)
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
+        self._link_master_grads()
         local = [(i, n) for i, (m, n) in enumerate(zip(self.master_params, self.names))
                  if m.grad is not None and is_nonfinite(m.grad)]
         return first_nonfinite(local, group=None, limit=limit, collective=False)
@@ -216,6 +230,7 @@ class DataParallelStrategy(ZeroStrategy):
     def optimizer_step(self) -> None:
         if self.optimizer is None:
             return
+        self._link_master_grads()
         self.optimizer.step()
         if self.policy.mixed:
             with torch.no_grad():
@@ -224,6 +239,7 @@ class DataParallelStrategy(ZeroStrategy):
     def zero_grad(self) -> None:
         if self.reducer is not None:
             self.reducer.zero_grad()
+            self._link_master_grads(materialize=False)  # lazy: None until the next reduction is materialized
         else:
             for p in self.params:
                 p.grad = None
