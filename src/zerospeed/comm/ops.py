@@ -55,7 +55,7 @@ class Works:
         return all(w.is_completed() for w in self.works)
 
 
-def _split_by_rank(group) -> bool:
+def _point_to_point(group) -> bool:
     """True on gloo, where an all-gather and a reduce-scatter run faster as point-to-point messages
     (`_messages`; measured, gloo, 1 thread per rank, medians of 15: all-gather 0.83-0.87x the time of
     one broadcast per source rank at 2 ranks and 0.83-0.94x at 4, 0.4-1.85M fp32 elements per rank,
@@ -136,7 +136,7 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
     reduce-scatter; the summation happens inside its `.wait`."""
     started = time.perf_counter()
     with record_function("zerospeed::reduce_scatter"):
-        if (input_is_scratch and op == dist.ReduceOp.SUM and _split_by_rank(group)
+        if (input_is_scratch and op == dist.ReduceOp.SUM and _point_to_point(group)
                 and _is_own_slice(output, input, group)):
             world, k = dist.get_world_size(group), output.numel()
             received = torch.empty((world - 1) * k, dtype=input.dtype, device=input.device)
@@ -181,12 +181,12 @@ def start_all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.P
     """Start an all-gather: every rank's `input` ([k]) lands in `output` ([N * k]) at [r*k, (r+1)*k).
     `input` may be this rank's slice of `output` (in place). Counted as `output.numel()` elements
     (the gathered size, as NCCL and DeepSpeed report it), so reduce-scatter + all-gather of Ψ
-    elements count 2Ψ. Finish with `.wait()`. On gloo (`_split_by_rank`) this rank's slice is sent to
+    elements count 2Ψ. Finish with `.wait()`. On gloo (`_point_to_point`) this rank's slice is sent to
     every other rank and theirs are received in place (`input` is first copied into its slice of
     `output`; `input` may be reused once this returns)."""
     started = time.perf_counter()
     with record_function("zerospeed::all_gather"):
-        if _split_by_rank(group) and output.is_contiguous():
+        if _point_to_point(group) and output.is_contiguous():
             k, rank = input.numel(), dist.get_rank(group)
             own = output[rank * k:(rank + 1) * k]
             if own.data_ptr() != input.data_ptr():

@@ -171,7 +171,6 @@ class GradientAllReducer(OrderedBucketHooks):
         self.params = params
         self.group = group
         self.world = dist.get_world_size(group)
-        self.average = average
         self.predivide = predivide_factor
         self.logger = logger
         if len({p.dtype for p in params}) > 1:
