@@ -361,6 +361,10 @@ def test_optimizer_kwargs():
     o = cfg(optimizer={"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                    "torch_adam": True, "bias_correction": True}}).optimizer
     assert o.torch_kwargs() == {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    assert o.fused_kernel is False  # torch_adam: torch's own implementation, as in DeepSpeed
+    assert cfg(optimizer={"type": "Adam", "params": {}}).optimizer.fused_kernel is True  # DeepSpeed's FusedAdam
+    assert cfg(optimizer={"type": "AdamW", "params": {"torch_adam": False}}).optimizer.fused_kernel is True
+    assert cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}).optimizer.fused_kernel is False
     assert cfg(optimizer={"type": "AdamW", "params": {"weight_decay": 0.1}}).optimizer.torch_kwargs()["weight_decay"] == 0.1
     assert "weight_decay" not in cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}).optimizer.torch_kwargs()
 

@@ -14,12 +14,20 @@ def _params(n=3, device="cpu"):
 
 
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
-def test_class_chosen_and_foreach_on_cpu(name):
+def test_class_chosen_and_torch_default_on_cpu(name):
     opt = build_optimizer(_params(), name, {"lr": 0.01})
     assert type(opt) is getattr(torch.optim, name)
     assert opt.defaults["lr"] == 0.01
-    assert opt.defaults["foreach"] is True
-    assert not opt.defaults.get("fused")
+    assert not opt.defaults.get("foreach") and not opt.defaults.get("fused")  # torch's per-tensor loop
+
+
+@pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
+def test_fused_cpu_picks_the_fused_kernel_where_torch_has_one(name):
+    opt = build_optimizer(_params(), name, {"lr": 0.01}, fused_cpu=True)
+    has_fused = name != "RMSprop"
+    assert bool(opt.defaults.get("fused")) is has_fused and not opt.defaults.get("foreach")
+    strided = torch.nn.Parameter(torch.zeros(4, 6)[:, :3])  # a strided view: torch's loop, not fused
+    assert not build_optimizer([strided], name, {"lr": 0.01}, fused_cpu=True).defaults.get("fused")
 
 
 def test_kwargs_passed_and_json_betas_become_a_tuple():
@@ -42,7 +50,7 @@ def test_param_groups_and_generators():
     g0, g1 = opt.param_groups
     assert g0["params"] == ps[:2] and g0["weight_decay"] == 0.0 and g0["lr"] == 0.01
     assert g1["params"] == ps[2:] and g1["lr"] == 0.5 and g1["betas"] == (0.5, 0.6)
-    assert g0["foreach"] is True and g1["foreach"] is True
+    assert not g0["foreach"] and not g1["foreach"]
     gen = build_optimizer((p for p in ps), "SGD", {"lr": 0.1})
     assert gen.param_groups[0]["params"] == ps
     single = build_optimizer(ps[0], "SGD", {"lr": 0.1})
@@ -67,10 +75,10 @@ def test_fused_chosen_on_a_fused_capable_accelerator(monkeypatch):
     for name in ("Adam", "AdamW", "SGD", "Adagrad"):
         opt = build_optimizer(meta, name, {"lr": 0.01})
         assert opt.defaults["fused"] is True and not opt.defaults["foreach"], name
-    rms = build_optimizer(meta, "RMSprop", {"lr": 0.01})  # no fused kernel: foreach
-    assert rms.defaults["foreach"] is True
-    mixed = build_optimizer(meta + _params(1), "Adam", {"lr": 0.01})  # one CPU param: foreach
-    assert mixed.defaults["foreach"] is True and not mixed.defaults["fused"]
+    rms = build_optimizer(meta, "RMSprop", {"lr": 0.01})  # no fused kernel: torch's default
+    assert rms.defaults["foreach"] is None and not rms.defaults.get("fused")
+    mixed = build_optimizer(meta + _params(1), "Adam", {"lr": 0.01})  # one CPU param: torch's default
+    assert mixed.defaults["foreach"] is None and not mixed.defaults["fused"]
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"])
@@ -90,6 +98,46 @@ def test_cpu_steps_are_bitwise_equal_to_default_torch(name):
         ref.step()
     for a, b in zip(ours_p, ref_p):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_fused_cpu_steps_match_default_torch_to_1e6(name):
+    # 20 steps; the fused kernel rounds differently from torch's loop (about 1 ulp per step).
+    kwargs = {"lr": 0.01, "weight_decay": 0.01}
+    ours_p, ref_p = _params(), _params()
+    ours = build_optimizer(ours_p, name, kwargs, fused_cpu=True)
+    ref = getattr(torch.optim, name)(ref_p, **kwargs)
+    assert ours.defaults["fused"] is True
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_fused_cpu_strided_gradient_is_copied_and_strided_state_refused():
+    """torch's CPU fused Adam reads a strided gradient as contiguous memory (wrong numbers); the
+    step pre-hook build_optimizer adds makes the gradient contiguous first."""
+    torch.manual_seed(0)
+    grad_src = torch.randn(4, 6)
+    results = []
+    for fused_cpu in (False, True):
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        opt = build_optimizer([p], "AdamW", {"lr": 0.1}, fused_cpu=fused_cpu)
+        for _ in range(2):
+            p.grad = grad_src[:, 3:]  # column block: strides (6, 1)
+            opt.step()
+        results.append(p.detach().clone())
+        assert bool(opt.defaults.get("fused")) is fused_cpu
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=0)
+    opt.state[p]["exp_avg"] = torch.zeros(4, 6)[:, :3]
+    p.grad = grad_src[:, :3].contiguous()
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg'.*strided view.*torch_adam"):
+        opt.step()
 
 
 def test_unknown_optimizer_names_closest():

@@ -5,7 +5,10 @@ DeepSpeed semantics kept here (``engine.py::_configure_basic_optimizer``):
 * ``type`` is matched case-insensitively; the canonical spelling is stored.
 * **"Adam" means AdamW** (decoupled weight decay) unless ``params.adam_w_mode`` is false;
   "AdamW" is always AdamW. ``torch_class_name`` gives the resolved class.
-* ``adam_w_mode`` and ``torch_adam`` are DeepSpeed switches, never passed to torch.
+* ``adam_w_mode`` and ``torch_adam`` are DeepSpeed switches, never passed to torch. Adam/AdamW run
+  torch's fused kernel on every device that has one, CPU included (``fused_kernel``; DeepSpeed's
+  default is its FusedAdam kernel); ``torch_adam: true`` asks for torch's own default implementation,
+  as in DeepSpeed (bit-for-bit what plain PyTorch computes on CPU).
   ``bias_correction: true`` (a FusedAdam argument) is accepted and dropped: torch always corrects.
 * DeepSpeed's Adam kernels default ``weight_decay`` to 0.0 whereas ``torch.optim.AdamW`` defaults to
   0.01; ``torch_kwargs()`` fills 0.0 so the same config trains the same way.
@@ -167,6 +170,12 @@ class OptimizerConfig(ConfigModel):
         if self.type == "Adam":
             return "AdamW" if self.adam_w_mode else "Adam"
         return self.type
+
+    @property
+    def fused_kernel(self) -> bool:
+        """True for Adam/AdamW unless ``params.torch_adam`` is true: build with torch's fused kernel on
+        CPU too (``build_optimizer(..., fused_cpu=...)``), DeepSpeed's FusedAdam counterpart."""
+        return self.type in ("Adam", "AdamW") and not self.params.get("torch_adam", False)
 
     def torch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.optim.<torch_class_name>`` (betas as a tuple).

@@ -80,7 +80,8 @@ def _optimizer_builder(cfg: ZeroSpeedConfig, optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
     if cfg.optimizer is None:
         return None
-    return lambda params: build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs())
+    return lambda params: build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs(),
+                                          fused_cpu=cfg.optimizer.fused_kernel)
 
 
 def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
