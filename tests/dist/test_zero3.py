@@ -70,19 +70,22 @@ def engine_runs(rank, world, names):
         model = tiny_gpt(**MODEL)
         engine, _, _, _ = zerospeed.initialize(model=model, config=ds_config(micro, gas, clip, zero))
         batches = global_batches(random_tokens(micro * gas * world * STEPS, 64, seed=1), micro * gas * world, STEPS)
-        norms, comms, memory = [], [], []
+        norms, comms, memory, forward_end = [], [], [], []
 
         def on_step(e):
             norms.append(e.get_global_grad_norm())
             comms.append({k: (s.calls, s.elements) for k, s in e.comms_logger.stats.items()})
-        losses = train_engine(engine, batches, on_step=on_step,
+        def after_forward(e):  # what a gathered unit costs: its full buffer, the shard lives inside it
+            forward_end.append((e.memory_breakdown()["params"], [(u.status, u.aliased, 4 * u.layout.padded)
+                                                                  for u in e.strategy.units]))
+        losses = train_engine(engine, batches, on_step=on_step, after_forward=after_forward,
                               after_backward=lambda e: memory.append(e.memory_breakdown()))
         strategy = engine.strategy
         info = {"units": len(strategy.units), "at_rest": [u.status for u in strategy.units],
                 "memory": memory[-1], "memory_after_step": engine.memory_breakdown(),
                 "padding": sum(u.layout.padding for u in strategy.units),
                 "shard_elements": sum(u.layout.shard_numel for u in strategy.units),
-                "peak_live": strategy.scheduler.peak_live}
+                "peak_live": strategy.scheduler.peak_live, "forward_end": forward_end[-1]}
         state = strategy.consolidated_state_dict()
         out[name] = (losses, state, norms, comms, info)
         engine.destroy()
@@ -133,6 +136,15 @@ def check_case(name, world, rank_outs):
     assert state_max_rel_diff(r0[1], r1[1]) == 0.0 and r0[2] == r1[2]  # ranks agree exactly
     if clip:
         assert min(r0[2]) > clip  # clipping was active at every step
+
+
+def check_forward_end_memory(info):
+    """All units gathered at the end of the forward ("reuse-no-prefetch" keeps them for backward):
+    parameter bytes = the full buffers alone (4Ψ + padding), each fp32 shard aliased into its buffer,
+    not 4Ψ + 4Ψ/N."""
+    params, units = info["forward_end"]
+    assert all(status is ParamStatus.GATHERED and aliased for status, aliased, _ in units), units
+    assert params == sum(full for _, _, full in units) == 4 * (PSI + info["padding"])
 
 
 def check_memory(world, info):
@@ -231,6 +243,7 @@ def test_stage3_world2_matches_plain_pytorch_with_exact_collective_counts_and_me
     for r in world2:
         assert r["grid"]["plain"][4]["units"] == 1 + BLOCKS
         check_memory(2, r["grid"]["plain"][4])
+        check_forward_end_memory(r["grid"]["reuse-no-prefetch"][4])
 
 
 def test_stage3_world4_matches_plain_pytorch_and_memory():

@@ -55,10 +55,12 @@ def train_reference(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                 on_step: Callable | None = None, after_backward: Callable | None = None) -> list[float]:
+                 on_step: Callable | None = None, after_backward: Callable | None = None,
+                 after_forward: Callable | None = None) -> list[float]:
     """Train `engine` one step per global batch on this rank's micro-batches; returns the per-step
     global loss (the mean over micro-batches and ranks, all-reduced). on_step(engine): after each
-    global step; after_backward(engine): after each micro-batch's backward, before its `step()`."""
+    global step; after_forward(engine) / after_backward(engine): after each micro-batch's forward /
+    backward (the latter before its `step()`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     gas = engine.gradient_accumulation_steps()
     losses = []
@@ -66,6 +68,8 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
         total = torch.zeros((), dtype=torch.float64)
         for x, y in micro_batches(batch, rank, world, gas):
             loss = engine(x.to(engine.device), y.to(engine.device))
+            if after_forward is not None:
+                after_forward(engine)
             engine.backward(loss)
             if after_backward is not None:
                 after_backward(engine)

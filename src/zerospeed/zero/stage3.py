@@ -289,7 +289,7 @@ class Stage3Strategy(ZeroStrategy):
         fp32, where they are the parameter shards). After backward in fp32 ≈ 4Ψ/N + 4Ψ/N (+ padding),
         plus Adam's 8Ψ/N in optimizer_states (ZeRO, Rajbhandari et al. 2020, §5.3); under bf16/fp16
         2Ψ/N + 2Ψ/N + 8Ψ/N + 4Ψ/N (4Ψ/N gradients with accumulation); no gradients after the step."""
-        params = sum(u.lp_shard.numel() * u.lp_shard.element_size() + u.gathered_bytes() for u in self.units)
+        params = sum(u.shard_bytes() + u.gathered_bytes() for u in self.units)
         params += sum(p.numel() * p.element_size() for p in self._frozen)
         grads = sum(g.numel() * g.element_size() for u in self.units for g in (u.shard.grad, u.lp_grad)
                     if g is not None)

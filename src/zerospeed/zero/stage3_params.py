@@ -179,6 +179,9 @@ class ShardedUnit:
     lp_shard: the same slice in the parameter dtype, the all-gather source: `shard.detach()` itself
     in fp32 training; under bf16/fp16 a separate tensor refreshed from `shard` after each step
     (`sync_after_step`). full: [padded] buffer in the parameter dtype, 0 bytes while SHARDED.
+    Without a separate master (fp32, no offload) the shard lives *inside* `full` while the unit is
+    gathered (`shard.data` is this rank's slice of it; a copy is taken out again at `release`), so a
+    gathered unit costs its full size, not full + shard: 4Ψ/N bytes less while everything is gathered.
     master_dtype: the shard's dtype (default: the parameters'; fp32 under mixed precision).
     reduce_dtype: dtype of the gradient reduce-scatter (default: the parameters').
     pins: holders (GatheredParameters, external parameters, generation) that keep it gathered.
@@ -223,6 +226,8 @@ class ShardedUnit:
             self.lp_shard = self.full[start:end].to(param_device or ref.device, copy=True) if self.has_master \
                 else self.shard.detach()
         self.swapper = param_swapper if param_swapper is not None and self.layout.padded else None
+        self.alias = not self.has_master and self.swapper is None and self.layout.padded > 0
+        self.aliased = False  # shard.data is this rank's slice of `full` (GATHERED, `alias` only)
         if self.swapper is not None:  # NVMe: the shard lives in a swap file (unless max_in_cpu keeps it)
             kept = self.swapper.add(index, self.lp_shard)
             self.lp_shard = kept if kept is not None else self.placeholder
@@ -258,13 +263,30 @@ class ShardedUnit:
         self._to(ParamStatus.GATHERED)
         for sp in self.params:
             sp.param.data = sp.view
+        if self.alias and not self.pins:  # the shard's own storage is freed: its values are this rank's slice of full
+            self._bind_shard(self.full[slice(*self.layout.rank_range(self.rank))])
+            self.aliased = True
 
     def release(self) -> None:
-        """GATHERED -> SHARDED: parameters get 0-element placeholders; the full buffer's storage is freed."""
+        """GATHERED -> SHARDED: parameters get 0-element placeholders; the full buffer's storage is freed
+        (an aliased shard is first copied out of it)."""
         self._to(ParamStatus.SHARDED)
         for sp in self.params:
             sp.param.data = self.placeholder
+        self.own_shard_storage()
         self.full.untyped_storage().resize_(0)
+
+    def own_shard_storage(self) -> None:
+        """Give an aliased shard its own storage again (a copy of its slice of `full`), so edits of the
+        gathered values stay out of it until `write_back` (GatheredParameters without modifier_rank)."""
+        if self.aliased:
+            self._bind_shard(self.shard.detach().clone())
+            self.aliased = False
+
+    def _bind_shard(self, values: torch.Tensor) -> None:
+        """Point the master `shard` (same Parameter object: the optimizer's key) and `lp_shard` at `values`."""
+        self.shard.data = values
+        self.lp_shard = self.shard.detach()
 
     # -- gradients ----------------------------------------------------------------------------
     def take_grads(self, dst: torch.Tensor) -> None:
@@ -378,6 +400,10 @@ class ShardedUnit:
     def gathered_bytes(self) -> int:
         """Bytes the full buffer holds right now (0 while SHARDED)."""
         return self.full.untyped_storage().nbytes()
+
+    def shard_bytes(self) -> int:
+        """Bytes of the parameter-dtype shard outside `full` (0 while it lives inside it)."""
+        return 0 if self.aliased else self.lp_shard.numel() * self.lp_shard.element_size()
 
     def __repr__(self) -> str:
         return (f"ShardedUnit({self.name or '<root>'}, {len(self.params)} params, {self.layout.total} elements, "

@@ -365,10 +365,13 @@ class GatherScheduler:
 
     # -- GatheredParameters support -------------------------------------------------------------
     def pin(self, units: list[ShardedUnit]) -> list[bool]:
-        """Gather and pin `units` (index order); returns which were sharded before. Collective."""
+        """Gather and pin `units` (index order); returns which were sharded before. Collective. The
+        shards keep their own storage while pinned: edits of the full values reach them only through
+        `write_back` (modifier_rank), never by aliasing."""
         was = [u.status is SHARDED for u in units]
         for u in units:
             self.gather(u)
+            u.own_shard_storage()
             u.pins += 1
         return was
 
