@@ -17,7 +17,6 @@ import logging
 import time
 from collections import defaultdict
 
-import psutil
 import torch
 
 from ..profiling.peak import sync
@@ -135,6 +134,8 @@ class Telemetry:
             log.info("step %d: %s", engine.global_steps, self.timers.window_report())
 
     def _write_events(self, engine, step: dict[str, float], tokens: int) -> None:
+        import psutil  # only when a monitor is enabled
+
         x = engine.global_samples
         events = [("Train/Samples/lr", engine.get_lr()[0] if engine.get_lr() else 0.0, x),
                   ("Train/Samples/samples_per_sec", engine.train_batch_size() / max(step["total"], 1e-9), x),
