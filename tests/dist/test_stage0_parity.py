@@ -31,10 +31,22 @@ def engine_runs(rank, world):
         model = tiny_gpt(**MODEL)
         engine, _, _, _ = zerospeed.initialize(model=model, config=ds_config(micro, gas, clip))
         batches = global_batches(random_tokens(micro * gas * world * STEPS, 64, seed=1), micro * gas * world, STEPS)
-        norms = []
-        losses = train_engine(engine, batches, on_step=lambda e: norms.append(e.get_global_grad_norm()))
+        norms, grad_bytes = [], {"forward": set(), "backward": set(), "step": set()}
+        grads_of = lambda e: e.memory_breakdown()["grads"]  # noqa: E731
+
+        def on_step(e):
+            norms.append(e.get_global_grad_norm())
+            grad_bytes["step"].add((grads_of(e), all(p.grad is None for p in model.parameters())))
+        micro_of_step = iter(range(10**9))
+
+        def after_forward(e):  # first micro-step of each step: the buckets were freed at zero_grad
+            if next(micro_of_step) % gas == 0:
+                grad_bytes["forward"].add(grads_of(e))
+        losses = train_engine(engine, batches, on_step=on_step, after_forward=after_forward,
+                              after_backward=lambda e: grad_bytes["backward"].add(grads_of(e)))
         info = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps, "buckets": len(engine.strategy.reducer.buffers)}
+                "micro_steps": engine.micro_steps, "buckets": len(engine.strategy.reducer.buffers),
+                "grad_bytes": grad_bytes, "psi": sum(p.numel() for p in model.parameters())}
         out[name] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, info)
         engine.destroy()
     return out
@@ -58,6 +70,9 @@ def test_stage0_matches_plain_pytorch():
             assert info["global_steps"] == STEPS and info["micro_steps"] == STEPS * gas
             assert info["global_samples"] == STEPS * micro * gas * WORLD
             assert info["buckets"] > 1  # small buckets: several all-reduces overlapping backward
+            # fp32 gradient buckets (4Ψ bytes) exist only from a backward to the next zero_grad:
+            # none at the forward's activation peak, .grad None after the step (torch's set_to_none)
+            assert info["grad_bytes"] == {"forward": {0}, "backward": {4 * info["psi"]}, "step": {(0, True)}}, name
         r0, r1 = results[0][name], results[1][name]
         assert state_max_rel_diff(r0[1], r1[1]) == 0.0  # ranks hold identical weights
         assert r0[2] == r1[2]  # and saw the same global gradient norm

@@ -147,7 +147,8 @@ class DataParallelStrategy(ZeroStrategy):
     parameter names for messages. master_values: {id(param): original fp32 tensor} from
     `MixedPrecisionPolicy.cast_module` (reused as the masters, so no precision is lost at init).
 
-    fp32: the optimizer updates the parameters; `.grad` are views into the all-reduce buckets.
+    fp32: the optimizer updates the parameters; `.grad` are views into the all-reduce buckets from a
+    backward to the next `zero_grad`, which frees the buckets (`.grad` None, as torch's `set_to_none`).
     bf16/fp16: `master_params` is a full fp32 copy (4Ψ bytes); each low-precision `.grad` is added
     into its bucket and freed by its hook; the buckets are all-reduced in `policy.reduce_dtype` and
     become the masters' `.grad` (fp32); after the step the masters are copied into the parameters.
@@ -255,7 +256,7 @@ class DataParallelStrategy(ZeroStrategy):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes: params (Ψ x 2 or 4), grads (the buckets), optimizer_states, master_weights (4Ψ under
         mixed precision, 0 in fp32 where the parameters are the masters)."""
-        grads = _nbytes(self.reducer.buffers) if self.reducer else \
+        grads = self.reducer.bucket_bytes() if self.reducer else \
             _nbytes(p.grad for p in self.params if p.grad is not None)
         return {"params": _nbytes(self.params), "grads": grads,
                 "optimizer_states": _optimizer_state_bytes(self.optimizer),
