@@ -13,6 +13,17 @@ def _params(n=3, device="cpu"):
     return [torch.nn.Parameter(torch.randn(4, 3, device=device)) for _ in range(n)]
 
 
+def _step_both(ours, ours_p, ref, ref_p, *, steps):
+    """Give both optimizers the same random gradients (seed 1) and step them `steps` times."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+
+
 @pytest.mark.parametrize("name", TORCH_OPTIMIZERS)
 def test_class_chosen_and_torch_default_on_cpu(name):
     opt = build_optimizer(_params(), name, {"lr": 0.01})
@@ -89,13 +100,7 @@ def test_cpu_steps_are_bitwise_equal_to_default_torch(name):
     ours_p, ref_p = _params(), _params()
     ours = build_optimizer(ours_p, name, kwargs)
     ref = getattr(torch.optim, name)(ref_p, **kwargs)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for a, b in zip(ours_p, ref_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        ours.step()
-        ref.step()
+    _step_both(ours, ours_p, ref, ref_p, steps=3)
     for a, b in zip(ours_p, ref_p):
         assert torch.equal(a, b)
 
@@ -108,13 +113,7 @@ def test_fused_cpu_steps_match_default_torch_to_1e6(name):
     ours = build_optimizer(ours_p, name, kwargs, fused_cpu=True)
     ref = getattr(torch.optim, name)(ref_p, **kwargs)
     assert ours.defaults["fused"] is True
-    g = torch.Generator().manual_seed(1)
-    for _ in range(20):
-        for a, b in zip(ours_p, ref_p):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        ours.step()
-        ref.step()
+    _step_both(ours, ours_p, ref, ref_p, steps=20)
     for a, b in zip(ours_p, ref_p):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
