@@ -193,16 +193,12 @@ class GradientAllReducer(OrderedBucketHooks):
                            for n in self.plan.sizes])
         self._stored = [False] * len(params)  # lazy: got a gradient since the last zero_grad
         self.free_between_steps = self.grad_dtype == param_dtype  # fp32: see the class docstring
-        self._bucket_of = [0] * len(params)
+        self._bucket_of = [0] * len(params)  # plan_buckets gives every parameter exactly one slot
         for s in self.plan.slots:
             self._bucket_of[s.index] = s.bucket
-        self._allocated = [True] * len(self.plan.sizes)
         self._sends: list[torch.Tensor] = []
-        buckets_of = [[] for _ in params]
-        for s in self.plan.slots:
-            buckets_of[s.index].append(s.bucket)
         self._handles: list[CommHandle] = []
-        super().__init__(params, buckets_of, len(self.plan.sizes))
+        super().__init__(params, [[b] for b in self._bucket_of], len(self.plan.sizes))
         if self.free_between_steps:
             self._release_buckets(keep_user_grads=True)
         else:
@@ -230,19 +226,18 @@ class GradientAllReducer(OrderedBucketHooks):
 
     def _ensure_bucket(self, b: int) -> None:
         """Give bucket b its storage back, zeroed (fp32 mode, after `zero_grad` freed it)."""
-        if not self._allocated[b]:
-            buf = self.buffers[b]
-            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        buf = self.buffers[b]
+        nbytes = buf.numel() * buf.element_size()
+        if buf.untyped_storage().nbytes() < nbytes:
+            buf.untyped_storage().resize_(nbytes)
             buf.zero_()
-            self._allocated[b] = True
 
     def _release_buckets(self, *, keep_user_grads: bool = False) -> None:
         for p, v in zip(self.params, self.grad_views):
             if not keep_user_grads or (p.grad is not None and p.grad.data_ptr() == v.data_ptr()):
                 p.grad = None
-        for b, buf in enumerate(self.buffers):
+        for buf in self.buffers:
             buf.untyped_storage().resize_(0)
-            self._allocated[b] = False
 
     def bucket_bytes(self) -> int:
         """Bytes the gradient buckets hold now (0 between `zero_grad` and the next backward in fp32)."""
