@@ -14,6 +14,7 @@ from zerospeed.testing.models import random_tokens, tiny_gpt
 from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine, train_reference
 from zerospeed.testing.spawn import run_distributed
 from zerospeed.zero.memory import estimate_model_states_memory
+from zerospeed.zero.stage12_grads import MAX_CHUNKS_IN_FLIGHT
 
 STEPS = 20
 LR = 1e-3
@@ -50,7 +51,7 @@ def _strategy_facts(engine):
     s = engine.strategy
     facts = {"memory": engine.memory_breakdown(), "psi": sum(p.numel() for p in s.params),
              "padded": s.layout.padded_numel, "chunks": s.layout.num_chunks, "chunk_numel": s.layout.chunk_numel,
-             "padding_zero": _padding_is_zero(s)}
+             "padding_zero": _padding_is_zero(s), "peak_inflight": s.grads.peak_inflight}
     if s.stage == 2:
         facts["peak_scratch_bytes"] = s.grads.peak_scratch_bytes
         facts["grads_none"] = all(p.grad is None for p in s.params)
@@ -118,6 +119,8 @@ def test_stage1_and_2_match_plain_pytorch_and_stage0(world2):
             assert r0["elements"] == r1["elements"] == expected, (stage, name)
             if gas == 1:
                 assert abs(r0["elements"] - 2 * psi) <= 0.10 * 2 * psi
+            # both stages: at most 2 of the 6 chunks in flight + the one just started (receive buffers reused)
+            assert 0 < r0["peak_inflight"] <= MAX_CHUNKS_IN_FLIGHT + 1, (stage, name, r0["peak_inflight"])
             if stage == 2:  # reduced during backward: never all 6 chunks' scratch at once, none kept;
                 # at most 2 in flight + the chunk filling + the next one, opened by a straddling parameter
                 assert r0["grads_none"] and 0 < r0["peak_scratch_bytes"] <= 4 * r0["chunk_numel"] * 4
