@@ -31,9 +31,9 @@ clone + all-reduce; the messages for this rank land in a temporary of (N-1)/N of
 so each chunk in flight holds its L-element buffer and that temporary until its `wait()`). Both
 stages finish a chunk's reduction as soon as it is done and never keep more than
 `MAX_CHUNKS_IN_FLIGHT` (+ the one just started) in flight, so those temporaries are reused within a
-backward rather than one allocated per chunk. Only
-this rank's shard of a chunk holds the reduced gradient afterwards; stage 1's `.grad` views
-elsewhere hold this rank's own unreduced values, as in DeepSpeed.
+backward rather than one allocated per chunk. Only this rank's shard of a chunk holds the reduced
+gradient afterwards; stage 1's `.grad` views elsewhere hold this rank's own unreduced values, as in
+DeepSpeed.
 """
 from __future__ import annotations
 
