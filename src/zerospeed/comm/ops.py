@@ -39,6 +39,10 @@ class CommHandle:
         if self.logger is not None:
             self.logger.record(self.name, self.numel, self.nbytes, time.perf_counter() - self.started)
 
+    def is_completed(self) -> bool:
+        """True once the collective finished (`wait()` then returns at once); never blocks."""
+        return self.done or self.work is None or self.work.is_completed()
+
 
 class Works:
     """Several `dist.Work` finished as one (the point-to-point messages of one collective: `_messages`)."""

@@ -87,7 +87,7 @@ class _ChunkReducer(OrderedBucketHooks):
         # memory instead of allocating one per chunk (fresh pages every step: 13 x 13 MB on the 85M
         # GPT in fp32 for stage 1, all alive at the end of backward)
         while self._inflight and (len(self._inflight) > MAX_CHUNKS_IN_FLIGHT
-                                  or self._inflight[0][1].work.is_completed()):
+                                  or self._inflight[0][1].is_completed()):
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
