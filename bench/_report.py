@@ -9,11 +9,13 @@ import statistics
 from pathlib import Path
 
 MiB = 2**20
-LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed", "zerospeed": "zerospeed",
-         "zerospeed_before": "zerospeed before", "all": "all systems"}
+LABEL = {"ddp": "DDP", "ddp_nocomm": "DDP, no all-reduce", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed",
+         "zerospeed": "zerospeed", "zerospeed_before": "zerospeed before", "all": "all systems"}
 # The ZeRO stage a non-ZeRO system corresponds to (what it holds per rank): for the formula and
 # for the "vs DeepSpeed same stage" ratio.
-EQUIVALENT_STAGE = {"ddp": 0, "fsdp2": 3}
+EQUIVALENT_STAGE = {"ddp": 0, "ddp_nocomm": 0, "fsdp2": 3}
+# Row order of the table and chart.
+ORDER = ("ddp", "ddp_nocomm", "fsdp2", "deepspeed", "zerospeed", "zerospeed_before", "all")
 
 
 def zero_formula_bytes(stage: int, precision: str, n_params: int, world: int) -> float:
@@ -95,6 +97,8 @@ def aggregate(runs: list[dict], *, peak_flops: float, model_shapes: dict[str, tu
         if system == "ddp":  # DDP against itself across repeats: its run-to-run nondeterminism
             ref = ok[0]["losses"]
             diffs = [_max_abs_diff(r["losses"], ref) for r in ok]
+        if system == "ddp_nocomm":  # each rank trains on its own gradients: not comparable
+            diffs = []
         row["max_dloss"] = max(diffs) if diffs else None
         n_layer, d_model, seq = model_shapes[model]
         achieved = flops_per_token(n_params, n_layer, d_model, seq) * row["tokens_per_s"]
@@ -165,8 +169,8 @@ def chart(rows: list[dict], path: Path, title: str) -> Path | None:
     groups = list(dict.fromkeys((r["model"], r["precision"]) for r in ok))
     if not groups:
         return None
-    colors = {"ddp": "#7f7f7f", "fsdp2": "#ff7f0e", "deepspeed": "#1f77b4", "zerospeed": "#2ca02c",
-              "zerospeed_before": "#98df8a"}
+    colors = {"ddp": "#7f7f7f", "ddp_nocomm": "#c7c7c7", "fsdp2": "#ff7f0e", "deepspeed": "#1f77b4",
+              "zerospeed": "#2ca02c", "zerospeed_before": "#98df8a"}
     n_max = max(sum(1 for r in ok if (r["model"], r["precision"]) == g) for g in groups)
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 0.45 * n_max * len(groups) + 1.5), squeeze=False)
     for (model, prec), (ax_t, ax_m) in zip(groups, axes):

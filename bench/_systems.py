@@ -151,6 +151,19 @@ class DDPRunner:
         return _params_grads_opt(self.params, self.optimizer)
 
 
+class DDPNoCommRunner(DDPRunner):
+    """DDP with its gradient all-reduce skipped (`no_sync` around every forward and backward): the
+    compute floor of a data-parallel step on this machine, for judging how much of any system's step
+    is communication. Not a valid training run: each rank steps on its own gradients, so its losses
+    are not compared with DDP's."""
+
+    name = "DDP, no all-reduce"
+
+    def forward_backward(self, x, y):
+        with self.model.no_sync():
+            return super().forward_backward(x, y)
+
+
 class FSDP2Runner:
     """torch FSDP2: `fully_shard` on every transformer block, then on the root (tied embedding there).
     bf16 = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
@@ -267,7 +280,8 @@ class ZeroSpeedRunner(_EngineRunner):
         return out
 
 
-RUNNERS = {"ddp": DDPRunner, "fsdp2": FSDP2Runner, "deepspeed": DeepSpeedRunner, "zerospeed": ZeroSpeedRunner}
+RUNNERS = {"ddp": DDPRunner, "ddp_nocomm": DDPNoCommRunner, "fsdp2": FSDP2Runner, "deepspeed": DeepSpeedRunner,
+           "zerospeed": ZeroSpeedRunner}
 
 
 def state_total(state: dict[str, int]) -> int:

@@ -31,13 +31,15 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _report import LABEL, aggregate, chart, markdown_table, run_tokens_per_s  # noqa: E402
+from _report import EQUIVALENT_STAGE, LABEL, ORDER, aggregate, chart, markdown_table, run_tokens_per_s  # noqa: E402
 
 from zerospeed.demo.data import load_corpus, sample_batch, split_corpus  # noqa: E402
 from zerospeed.profiling.peak import measure_matmul_peak_flops  # noqa: E402
 from zerospeed.testing.models import GPT_SIZES  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "deepspeed", "zerospeed")
+# Run only when named: DDP without its all-reduce, the compute floor (see _systems.DDPNoCommRunner).
+EXTRA_SYSTEMS = ("ddp_nocomm",)
 
 
 def _csv(choices):
@@ -52,7 +54,9 @@ def _csv(choices):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", type=_csv(SYSTEMS), default=list(SYSTEMS), help="comma list (default: all)")
+    p.add_argument("--systems", type=_csv(SYSTEMS + EXTRA_SYSTEMS), default=list(SYSTEMS),
+                   help="comma list (default: all but ddp_nocomm: DDP with its all-reduce skipped, the compute "
+                        "floor, not a valid training run)")
     p.add_argument("--stages", type=_csv((0, 1, 2, 3)), default=[0, 1, 2, 3],
                    help="ZeRO stages for deepspeed and zerospeed (default: 0,1,2,3)")
     p.add_argument("--precisions", type=_csv(("fp32", "bf16")), default=None,
@@ -91,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def configurations(args) -> list[tuple[str, int]]:
     out = []
     for system in args.systems:
-        if system in ("ddp", "fsdp2"):
-            out.append((system, 0 if system == "ddp" else 3))
+        if system in EQUIVALENT_STAGE:  # not a ZeRO system: one configuration
+            out.append((system, EQUIVALENT_STAGE[system]))
         else:
             out.extend((system, s) for s in args.stages)
     if getattr(args, "baseline_ref", None):
@@ -214,7 +218,7 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
                         runs.append(run)
                         tps = run_tokens_per_s(run)
                         what = f"{tps:,.0f} tokens/s" if tps else run["status"] + ": " + run.get("message", "")[:120]
-                        stage_txt = "" if system in ("ddp", "fsdp2") else f" stage {stage}"
+                        stage_txt = "" if system in EQUIVALENT_STAGE else f" stage {stage}"
                         print(f"[{k}/{n_runs}] {LABEL[system]}{stage_txt} {precision} {model} repeat {rep + 1}: "
                               f"{what} ({wall:.0f} s, load {load:.1f})", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -229,8 +233,9 @@ NOTES = ("Stage '-': DDP holds what ZeRO stage 0 holds, FSDP2 what stage 3 holds
          "machine. Model states are measured after the last backward, before its optimizer step; '+ N buffers' = "
          "communication buckets allocated besides them (DeepSpeed's ipg buckets, allocated but mostly untouched, "
          "so not in RSS); DDP's own reducer buckets are not visible and not counted. max |Δloss|: over every "
-         "step, against DDP of the same precision and repeat (DDP row: across its repeats). MFU: (6Ψ + 12·L·d·T) "
-         "FLOPs per token x tokens/s / (matmul peak per thread x world size).")
+         "step, against DDP of the same precision and repeat (DDP row: across its repeats; none for 'DDP, no "
+         "all-reduce', whose ranks train apart: it is the compute floor, for the share of communication). "
+         "MFU: (6Ψ + 12·L·d·T) FLOPs per token x tokens/s / (matmul peak per thread x world size).")
 
 
 def report(saved: dict, base: Path) -> str:
@@ -249,7 +254,7 @@ def report(saved: dict, base: Path) -> str:
                     rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
                                  "status": "skipped", "message": "deepspeed not importable"})
     rows.sort(key=lambda r: (list(GPT_SIZES).index(r["model"]), ("fp32", "bf16").index(r["precision"]),
-                             (*SYSTEMS, "zerospeed_before", "all").index(r["system"]), r["stage"]))
+                             ORDER.index(r["system"]), r["stage"]))
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
