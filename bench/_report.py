@@ -97,7 +97,7 @@ def aggregate(runs: list[dict], *, peak_flops: float, model_shapes: dict[str, tu
         if system == "ddp":  # DDP against itself across repeats: its run-to-run nondeterminism
             ref = ok[0]["losses"]
             diffs = [_max_abs_diff(r["losses"], ref) for r in ok]
-        if system == "ddp_nocomm":  # each rank trains on its own gradients: not comparable
+        elif system == "ddp_nocomm":  # each rank trains on its own gradients: not comparable
             diffs = []
         row["max_dloss"] = max(diffs) if diffs else None
         n_layer, d_model, seq = model_shapes[model]
