@@ -15,6 +15,10 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
         from .comm import init_distributed
 
         return init_distributed
+    if name == "get_accelerator":  # `zerospeed.get_accelerator()` as `deepspeed.get_accelerator()`
+        from .accelerator import get_accelerator
+
+        return get_accelerator
     if name in _SUBPACKAGES:  # `zerospeed.zero.Init()` as `deepspeed.zero.Init()`, without an import first
         import importlib
 
@@ -22,7 +26,8 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
     raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
 
 
-_SUBPACKAGES = ("zero", "checkpointing", "comm", "config", "offload", "profiling", "monitor", "runtime", "testing")
+_SUBPACKAGES = ("accelerator", "zero", "checkpointing", "comm", "config", "offload", "profiling", "monitor", "runtime",
+                "testing")
 
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "ZeroSpeedEngine", "__version__"]
