@@ -13,6 +13,7 @@ import torch
 from zerospeed.config import (
     ConfigDeprecationWarning,
     ConfigError,
+    ModelHints,
     OptimizerConfig,
     ZeroSpeedConfig,
     closest_key,
@@ -463,8 +464,9 @@ def test_scheduler_errors():
 def test_scheduler_auto_params():
     s = cfg(optimizer={"type": "AdamW", "params": {"lr": 5e-4}},
             scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                           "warmup_num_steps": "auto", "total_num_steps": 50}}).scheduler
+                                                           "total_num_steps": 50}}).scheduler
     assert (s.kwargs()["warmup_min_lr"], s.kwargs()["warmup_max_lr"], s.kwargs()["warmup_num_steps"]) == (0.0, 5e-4, 1000)
+    # warmup_num_steps: "auto" is an error (HF fills it from the Trainer): tests/unit/test_config_auto.py
 
 
 def test_torch_scheduler_by_name_as_in_deepspeed():
@@ -508,15 +510,15 @@ ZERO3_TUTORIAL = {
     },
 }
 
-# The Hugging Face Trainer's ZeRO-3 template (transformers docs), with the micro-batch the Trainer
-# would have filled in.
+# The Hugging Face Trainer's ZeRO-3 template (transformers docs), with the micro-batch and the
+# warm-up steps the Trainer would have filled in (zerospeed cannot derive those).
 HF_ZERO3 = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
              "hysteresis": 2, "min_loss_scale": 1},
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
+                                                 "warmup_num_steps": 1}},
     "zero_optimization": {
         "stage": 3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -561,14 +563,15 @@ def test_hf_trainer_style_auto_config(tmp_path):
     client = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=2e-5, weight_decay=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing deprecated in the template
-        c = load_config(path, dp_world_size=2, client_optimizer=client)
+        c = load_config(path, dp_world_size=2, client_optimizer=client, model=ModelHints(hidden_size=1024))
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (8, 4, 1)
     assert c.gradient_clipping == 1.0 and c.precision == "fp32" and c.steps_per_print == 2000
     assert c.optimizer.torch_class_name == "AdamW"
     assert c.optimizer.torch_kwargs() == {"lr": 2e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     assert c.scheduler.kwargs()["warmup_max_lr"] == 2e-5 and c.scheduler.kwargs()["warmup_min_lr"] == 0.0
     z = c.zero_optimization
-    assert z.reduce_bucket_size == 500_000_000 and z.prefetch_bucket_size == 50_000_000
+    # the hidden-size "auto" keys get HF's formulas (tests/unit/test_config_auto.py has the rest)
+    assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (1024**2, 943718, 10240)
     assert z.gather_16bit_weights_on_model_save and z.offload_param.device == "cpu"
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ._base import ConfigModel, issues_from_validation_error
+from .auto import ModelHints, model_hints
 from .batch import BatchSizes, resolve_batch
 from .errors import ConfigDeprecationWarning, ConfigError, closest_key, format_path
 from .loader import parse_source
@@ -40,6 +41,8 @@ from .zero import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig, 
 
 __all__ = [
     "load_config",
+    "ModelHints",
+    "model_hints",
     "ConfigError",
     "ConfigDeprecationWarning",
     "ZeroSpeedConfig",
@@ -72,7 +75,8 @@ __all__ = [
 ]
 
 
-def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = None) -> ZeroSpeedConfig:
+def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = None,
+                model: Any = None) -> ZeroSpeedConfig:
     """Read, validate and resolve a ds_config.
 
     source: a dict, a path (str or os.PathLike) to a JSON file, a JSON string, or a
@@ -81,6 +85,12 @@ def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = 
         (``train_batch_size = micro x grad_accum x dp_world_size``).
     client_optimizer: the user's optimizer (or anything with ``param_groups`` / ``defaults``);
         ``"auto"`` values of ``optimizer.params`` (lr, betas, eps, weight_decay) are copied from it.
+    model: the model (an ``nn.Module``; only read, never moved or called), or a ``ModelHints``.
+        The Hugging Face Trainer's model-derived ``"auto"`` values are resolved from it:
+        ``reduce_bucket_size`` = hidden_size**2, at stage 3 ``stage3_prefetch_bucket_size`` =
+        int(0.9 * hidden_size**2) and ``stage3_param_persistence_threshold`` = 10 * hidden_size
+        (hidden size from ``model.config``), ``fp16/bf16.enabled`` from the parameters' dtype.
+        Without it these "auto" values are errors naming the key (see ``config/auto.py``).
 
     Returns a frozen ZeroSpeedConfig. Raises ConfigError listing every problem found, each with
     the dotted path of the key, the value and what was expected. Deprecated keys are remapped with
@@ -90,7 +100,8 @@ def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = 
         raise ConfigError(f"dp_world_size must be a positive integer, got {dp_world_size!r}")
     raw = parse_source(source)
     deferred: list = []
-    context = {"dp_world_size": dp_world_size, "client_optimizer": client_optimizer, "deferred_issues": deferred}
+    context = {"dp_world_size": dp_world_size, "client_optimizer": client_optimizer, "deferred_issues": deferred,
+               "model_hints": model_hints(model)}
     try:
         config = ZeroSpeedConfig.model_validate(raw, context=context)
         issues = []

@@ -54,7 +54,9 @@ class FP16Config(ConfigModel):
     """
 
     enabled: bool = False
-    """Train with fp16 parameters and gradients (fp32 master weights). Default false."""
+    """Train with fp16 parameters and gradients (fp32 master weights). Default false. ``"auto"`` = true
+    when every floating-point parameter of the model given to ``load_config(model=)`` is fp16 and
+    bf16 is not enabled, else false (the Hugging Face Trainer's default ``fp16=False``)."""
     auto_cast: bool = False
     """Cast floating-point inputs of the model's forward to fp16. Default false."""
     loss_scale: float = 0.0
@@ -111,7 +113,9 @@ class BF16Config(ConfigModel):
     """``bf16`` (the old key ``bfloat16`` is accepted with a deprecation warning)."""
 
     enabled: bool = False
-    """Train with bf16 parameters and gradients (fp32 master weights). Default false."""
+    """Train with bf16 parameters and gradients (fp32 master weights). Default false. ``"auto"`` = true
+    when every floating-point parameter of the model given to ``load_config(model=)`` is bf16 and
+    fp16 is not enabled, else false (the Hugging Face Trainer's default ``bf16=False``)."""
     immediate_grad_update: bool = False
     """Apply each gradient to the fp32 accumulator as soon as it is produced (default false;
     DeepSpeed's constants.py says true but its pydantic model, which wins, says false)."""

@@ -11,8 +11,10 @@ As in DeepSpeed, any other ``type`` naming a ``torch.optim.lr_scheduler`` class 
 is built as ``cls(optimizer, **params)``; its params are checked against the class signature.
 
 ``"auto"`` in params means "the default", except ``warmup_max_lr: "auto"``, which takes the
-optimizer's lr (filled in by the top-level config), and a required parameter, which cannot be
-"auto".
+optimizer's lr (filled in by the top-level config), and ``warmup_num_steps`` and the required
+``total_num_steps``, which cannot be "auto": the Hugging Face Trainer fills them from its step
+count and warm-up arguments (``max(1, warmup_steps)``, so 1 with its defaults, not DeepSpeed's
+default 1000); zerospeed has no Trainer, so the error asks for a number.
 """
 from __future__ import annotations
 
@@ -183,6 +185,11 @@ def _check_deepspeed_params(name: str, params: dict[str, Any]) -> dict[str, Any]
                            if key == "total_num_steps" else f"{name} requires '{key}'"))
         elif is_auto(params[key]):
             issues.append((("params", key), "is 'auto' but zerospeed cannot derive it: set it explicitly"))
+    if "warmup_num_steps" in model.model_fields and is_auto(params.get("warmup_num_steps")):
+        issues.append((("params", "warmup_num_steps"),
+                       "is 'auto', which the Hugging Face Trainer fills from its warm-up arguments "
+                       "(max(1, warmup_steps): 1 with its defaults); zerospeed cannot derive it: set the number "
+                       "of warm-up optimizer steps (DeepSpeed's default, when the key is absent, is 1000)"))
     if issues:
         raise ConfigIssue(issues)
     try:

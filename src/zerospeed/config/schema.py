@@ -1,6 +1,7 @@
 """``ZeroSpeedConfig``: the whole ds_config, validated, with "auto" and the batch triple resolved.
 
-Build it with ``load_config(source, dp_world_size=..., client_optimizer=...)``. Validating a dict
+Build it with ``load_config(source, dp_world_size=..., client_optimizer=..., model=...)``; what each
+"auto" value becomes is listed in ``config/auto.py``. Validating a dict
 directly also works: ``ZeroSpeedConfig.model_validate(d, context={"dp_world_size": 2})`` (but
 raises pydantic's ValidationError instead of ConfigError).
 """
@@ -12,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from ._base import ConfigModel, is_auto
+from .auto import resolve_precision_autos
 from .batch import GA, MB, TB, resolve_batch
 from .errors import ConfigDeprecationWarning, ConfigError, ConfigIssue
 from .keys import split_top_level_unsupported
@@ -72,7 +74,8 @@ class ZeroSpeedConfig(ConfigModel):
     gradient_clipping: float = Field(1.0, ge=0.0)
     """Max global L2 norm of the gradients, applied at the step after unscaling. 0 disables.
     Default **1.0**, as DeepSpeed 0.19 (#8068); older DeepSpeed defaulted to 0.0 (no clipping), so
-    an old config without this key now clips. "auto" = the default."""
+    an old config without this key now clips. "auto" = 1.0, which is also what the Hugging Face
+    Trainer fills in with its default ``max_grad_norm``."""
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     """bf16 mixed precision; the old key ``bfloat16`` is accepted with a warning."""
@@ -139,6 +142,7 @@ class ZeroSpeedConfig(ConfigModel):
             data["zero_optimization"] = {"stage": 1 if zero else 0}
             if zero and "allgather_size" in data:
                 data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+        resolve_precision_autos(data, context.get("model_hints"))
         for key in ("gradient_allreduce_op", "communication_data_type", "log_level"):
             if isinstance(data.get(key), str) and not is_auto(data[key]):
                 data[key] = data[key].strip().lower()

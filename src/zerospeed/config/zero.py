@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from ._base import ConfigModel, is_auto
+from .auto import STAGE_AUTO_MESSAGE, resolve_hidden_size_autos
 from .errors import ConfigDeprecationWarning, ConfigIssue
 from .keys import REMOVED_ZERO_KEYS, removed_message, unsupported_message
 
@@ -127,7 +128,8 @@ class ZeroConfig(ConfigModel):
 
     stage: int = Field(0, ge=0)
     """0 off (plain data parallel); 1 partitions optimizer states; 2 also gradients; 3 also
-    parameters. Values above 3 are an error."""
+    parameters. Values above 3 are an error. ``"auto"`` is an error (DeepSpeed silently runs stage 0,
+    and the Hugging Face Trainer does not fill it)."""
     contiguous_gradients: bool = True
     """Copy gradients into a contiguous buffer as they are produced (less fragmentation)."""
     reduce_scatter: bool = True
@@ -136,7 +138,9 @@ class ZeroConfig(ConfigModel):
     """Elements reduced per gradient bucket (default 5e8 elements, not bytes). zerospeed: when the key
     is absent, stages 0-3 use PyTorch DDP's 25 MiB buckets instead (`zero.buckets.bucket_elements`):
     5e8 is a single bucket, so no reduction overlaps backward; the sums are the same. Stage 3 puts the
-    gradients of consecutive gather units in one bucket (DeepSpeed's stage-3 ipg bucket)."""
+    gradients of consecutive gather units in one bucket (DeepSpeed's stage-3 ipg bucket).
+    ``"auto"`` = ``hidden_size**2`` as the Hugging Face Trainer fills it, with the hidden size read
+    from the model by ``load_config(..., model=)`` (``config/auto.py``); an error without one."""
     use_multi_rank_bucket_allreduce: bool = True
     """Combine the ranks' reduce buckets into one all-reduce."""
     allgather_partitions: bool = True
@@ -162,9 +166,11 @@ class ZeroConfig(ConfigModel):
     sub_group_size: int = Field(1_000_000_000, ge=0)
     """Elements per optimizer-step tile with ZeRO-3 offload / Infinity (default 1e9)."""
     prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
-    """Stage 3: elements of parameters fetched ahead of use (default 5e7)."""
+    """Stage 3: elements of parameters fetched ahead of use (default 5e7). ``"auto"`` at stage 3 =
+    ``int(0.9 * hidden_size**2)`` (Hugging Face's fill, hidden size from the model; ``config/auto.py``)."""
     param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
-    """Stage 3: parameters with fewer elements than this stay unpartitioned (default 1e5)."""
+    """Stage 3: parameters with fewer elements than this stay unpartitioned (default 1e5). ``"auto"`` at
+    stage 3 = ``10 * hidden_size`` (Hugging Face's fill, hidden size from the model; ``config/auto.py``)."""
     model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
     """Stage 3: cap on the total elements kept unpartitioned (default sys.maxsize)."""
     max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
@@ -235,6 +241,9 @@ class ZeroConfig(ConfigModel):
             warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new} "
                           f"(remapped to {new}={convert(value)!r})", ConfigDeprecationWarning, stacklevel=2)
             data[new] = convert(value)
+        if is_auto(data.get("stage")):
+            issues.append((("stage",), STAGE_AUTO_MESSAGE))
+        issues += resolve_hidden_size_autos(data, cls.config_keys(), context.get("model_hints"))
         if issues:
             raise ConfigIssue(issues)
         return data

@@ -194,7 +194,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise TypeError("initialize() needs model=<torch.nn.Module>")
     source = _config_source(args, config, config_params)
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt)
+    cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt, model=model)
     _check_supported(cfg)
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
