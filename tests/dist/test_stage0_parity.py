@@ -12,7 +12,10 @@ LOSS_TOL = 1e-6  # relative, every step's loss (fp32; only the summation order d
 # Final weights: 1e-6 for the plain case. With accumulation or clipping the gradients are summed or
 # scaled in another order; Adam divides each element's update by its own gradient RMS, so elements
 # whose gradient is at rounding-noise level move by a visible fraction of lr (measured <= 9e-5 of max|w|).
-PARAM_TOL = {"plain": 1e-6, "grad-accum-4": 5e-4, "clipped": 5e-4}
+# plain: 1e-5. After 20 Adam steps the two-rank average and the one-process batch differ in summation
+# order only; that moved max|Δw|/max|w| below 1e-6 on the AMD EPYC runners but 5.4e-6 on the Intel Xeon
+# ones (other matmul kernels, same losses to 1e-6), so 1e-5 holds on both and still catches a wrong reduction.
+PARAM_TOL = {"plain": 1e-5, "grad-accum-4": 5e-4, "clipped": 5e-4}
 CASES = {"plain": (2, 1, 0.0), "grad-accum-4": (2, 4, 0.0), "clipped": (2, 1, 0.05)}  # micro, gas, clip
 WORLD = 2
 # bias=False: see GPTConfig.bias (the key bias has a zero true gradient that Adam amplifies)

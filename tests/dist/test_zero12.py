@@ -21,7 +21,10 @@ LR = 1e-3
 LOSS_TOL = 1e-6  # relative, every step's loss and gradient norm (fp32; only the summation order differs)
 # final weights: as test_stage0_parity.py (Adam turns rounding-level gradient differences from another
 # summation order into lr-sized updates of those elements when gradients are accumulated or clipped)
-PARAM_TOL = {"plain": 1e-6, "grad-accum-2": 5e-4, "clipped": 5e-4}
+# plain: 1e-5. After 20 Adam steps the two-rank average and the one-process batch differ in summation
+# order only; that moved max|Δw|/max|w| below 1e-6 on the AMD EPYC runners but 5.4e-6 on the Intel Xeon
+# ones (other matmul kernels, same losses to 1e-6), so 1e-5 holds on both and still catches a wrong reduction.
+PARAM_TOL = {"plain": 1e-5, "grad-accum-2": 5e-4, "clipped": 5e-4}
 CASES = {"plain": (2, 1, 0.0), "grad-accum-2": (2, 2, 0.0), "clipped": (2, 1, 0.05)}  # micro, gas, clip
 BUCKET = 20_000  # elements: the tiny GPT (119,104 parameters) is cut into 6 chunks
 MODEL = dict(seed=0, bias=False)  # see GPTConfig.bias

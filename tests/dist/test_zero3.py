@@ -22,8 +22,11 @@ LOSS_TOL = 1e-6  # relative, every step's loss
 NORM_TOL = 1e-5  # relative, the global gradient norm of every step
 # final weights: as in test_stage0_parity.py (accumulation / clipping change the summation order and
 # Adam amplifies rounding noise in elements whose gradient is ~0)
-PARAM_TOL = {"plain": 1e-6, "grad-accum-2": 5e-4, "clipped": 5e-4, "reuse-no-prefetch": 1e-6, "persist-100": 1e-6,
-             "max-live": 1e-6}
+# plain: 1e-5. After 20 Adam steps the two-rank average and the one-process batch differ in summation
+# order only; that moved max|Δw|/max|w| below 1e-6 on the AMD EPYC runners but 5.4e-6 on the Intel Xeon
+# ones (other matmul kernels, same losses to 1e-6), so 1e-5 holds on both and still catches a wrong reduction.
+PARAM_TOL = {"plain": 1e-5, "grad-accum-2": 5e-4, "clipped": 5e-4, "reuse-no-prefetch": 1e-5, "persist-100": 1e-5,
+             "max-live": 1e-5}
 # at 4 ranks the 4 partial gradients are summed in another order than one full-batch backward: stage 0
 # itself ends 1.8e-4 (of max|w|) from plain PyTorch (measured), so 4 ranks get the accumulation
 # tolerance, and stage 3 must equal stage 0 at 4 ranks far more tightly (measured 6e-6)

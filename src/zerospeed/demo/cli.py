@@ -9,26 +9,22 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_CONFIG = "examples/configs/demo.json"
+#: The demo's ds_config, shipped inside the package (package data), so `zerospeed demo` works from any
+#: directory after a plain `pip install`.
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("demo.json")
 
 
-def find_config(path: str) -> Path | None:
-    """`path` as given, or (for the default) the copy in the source checkout this package runs from."""
+def find_config(path: str | Path) -> Path | None:
+    """`path` resolved, or None if it is not a file."""
     p = Path(path)
-    if p.is_file():
-        return p.resolve()
-    if path == DEFAULT_CONFIG:
-        repo_copy = Path(__file__).resolve().parents[3] / DEFAULT_CONFIG
-        if repo_copy.is_file():
-            return repo_copy
-    return None
+    return p.resolve() if p.is_file() else None
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="zerospeed demo", description=__doc__)
     p.add_argument("--nproc-per-node", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS per rank (default 1)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"ds_config JSON (default {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="ds_config JSON (default: the demo.json shipped in zerospeed/demo/)")
     args, rest = p.parse_known_args(argv)
     config = find_config(args.config)
     if config is None:  # fail here, once, before any rank starts

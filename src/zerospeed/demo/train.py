@@ -1,6 +1,6 @@
 """The demo training job, run on every rank: a byte-level GPT learns Python's standard library.
 
-    torchrun --nproc-per-node 2 -m zerospeed.demo.train --config examples/configs/demo.json
+    torchrun --nproc-per-node 2 -m zerospeed.demo.train            # config: zerospeed/demo/demo.json
 
 (`zerospeed demo` runs exactly this.) Rank 0 shows a progress bar with the loss, tokens/s and the
 resident memory of every rank, reports validation loss in bits per byte every `--eval-interval`
@@ -28,7 +28,8 @@ from zerospeed.testing.models import GPT, GPT_SIZES
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="examples/configs/demo.json", help="ds_config JSON file")
+    p.add_argument("--config", default=str(Path(__file__).resolve().with_name("demo.json")),
+                   help="ds_config JSON file (default: the demo.json shipped with the package)")
     p.add_argument("--model", default="demo", choices=sorted(GPT_SIZES), help="model size (zerospeed.testing.models)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: scheduler total_num_steps)")
     p.add_argument("--eval-interval", type=int, default=100, help="steps between validation passes")
@@ -55,8 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_ds_config(path: str, steps: int | None) -> tuple[dict, int]:
     """The config as a dict, and the number of steps (the override is written into the scheduler)."""
     if not Path(path).is_file():
-        raise SystemExit(f"zerospeed demo: config file {path!r} not found (run from the repository root, "
-                         "or pass --config PATH)")
+        raise SystemExit(f"zerospeed demo: config file {path!r} not found ; pass --config PATH")
     with open(path) as f:
         cfg = json.load(f)
     sched = cfg.get("scheduler", {}).get("params", {})
