@@ -205,16 +205,22 @@ def _train_stack(model, steps):
 
 
 def init_checks(rank, world):
-    """zero.Init: the same weights as a plain build, a clear error for post-hoc init, a byte budget."""
+    """zero.Init: the same weights as a plain build (post-hoc init included), a clear error, a byte budget."""
     torch.manual_seed(0)
     with Init():
         model = Stack(64, 3)
     partitioned = len(partitioned_parameters(model))
     torch.manual_seed(0)
     init_run, plain_run = _train_stack(model, 3), _train_stack(Stack(64, 3), 3)
-    with pytest.raises(InitParameterError, match="GatheredParameters"):
-        with Init():
-            GPT(GPTConfig(bias=False))  # GPT.__init__ re-initialises its (already partitioned) blocks
+    torch.manual_seed(1)
+    with Init():
+        gpt = GPT(GPTConfig(bias=False))  # GPT.__init__ re-initialises its (already partitioned) blocks
+    torch.manual_seed(1)
+    with GatheredParameters(list(gpt.parameters())):  # ... on full values: the plain build's weights
+        plain = GPT(GPTConfig(bias=False))
+        assert max((a - b).abs().max().item() for a, b in zip(gpt.parameters(), plain.parameters())) == 0
+    with pytest.raises(InitParameterError, match="no_grad"), Init():
+        nn.Linear(4, 4).weight * 2  # differentiable use of a partitioned parameter inside Init
     # budget: building under Init never holds the whole model; 20 steps of warm-up collectives ran before
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: big tensors are mmapped, RSS = live
     torch.manual_seed(0)

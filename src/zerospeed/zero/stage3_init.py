@@ -1,177 +1,146 @@
 """`zerospeed.zero.Init`: build a model already partitioned, so no rank ever holds all of it.
 
-ZeRO, Rajbhandari et al. 2020, §5.3. DeepSpeed's `zero.Init` patches `nn.Module.__init__` and the
-tensor constructors. We use torch's global module-registration hook instead: a sub-module's
-parameters are partitioned the moment it is attached to its parent, i.e. right after its own
-`__init__` (so `reset_parameters()` ran on full tensors with the usual random draws, and the weights
-equal an ordinary build with the same seed). A rank holds at most the sub-module being built in full,
-plus 1/N of everything built before. `zerospeed.initialize(...)` with stage 3 then turns the
-per-parameter slices into its gather units, one unit at a time.
+ZeRO, Rajbhandari et al. 2020, §5.3; DeepSpeed's `deepspeed.zero.Init`. DeepSpeed patches every
+`nn.Module.__init__`; we use torch's global registration hooks and a `TorchFunctionMode`:
 
-Rules (errors say so too):
-* construct on every rank in the same order: partitioning broadcasts rank 0's values (one collective
-  per parameter) so the ranks agree;
-* code in an enclosing `__init__` that touches an already partitioned parameter (say
-  `self.apply(init_fn)`) raises InitParameterError inside the context: do it in the sub-module's own
-  `__init__`, or wrap it in `zerospeed.zero.GatheredParameters(params, modifier_rank=0)`;
-* parameters registered directly on the outermost module stay whole (they are usually small);
-* only ZeRO stage 3 can train such a model (`partitioned_parameters(model)` lists what is partitioned).
+* a parameter is partitioned as soon as it is registered on a module (`self.weight = Parameter(...)`),
+  lazily: its full value stays until a parameter of *another* module is registered or used, then
+  rank 0's value is cut into N slices and scattered (each rank keeps [ceil(numel / N)] elements).
+  So a module's own `reset_parameters()` runs on full tensors, and a rank holds its slices plus the
+  parameters of about one module at a time - never the model (a `ModuleList` built from a list of
+  layers included);
+* any op inside the context that uses a partitioned parameter (`normal_`, `zero_`, `copy_`,
+  `torch.nn.init.*`, `weight[i]`, `p.data = x`, transformers' `post_init` / `_init_weights`, the
+  loading of `from_pretrained`) runs on its full value: all-gathered first, or a fresh tensor when
+  the op overwrites every element; it is re-partitioned (from rank 0) before the next module's
+  parameters are used. The ops and the random draws are the same as without Init, so the weights
+  are the same as a plain build with the same seed (rank 0's draws, if ranks seeded differently);
+* inside the context, `p.shape`, `p.size()`, `p.dim()`, `p.numel()` of a partitioned parameter give
+  its full shape (outside, `p.data` is empty [0]; `shape_of(p)` gives the full shape);
+* parameters on the meta device (transformers' `from_pretrained` builds there first) stay as they
+  are; the real tensors it then loads into the modules are partitioned as they are assigned.
+
+Rules: construct on every rank in the same order (partitioning and gathering are collectives).
+A partitioned parameter used in a differentiable op inside the context raises InitParameterError.
+A view taken of a partitioned parameter inside the context (`w = p[0]`) does not write through once
+that parameter is re-partitioned. Only ZeRO stage 3 can train such a model
+(`partitioned_parameters(model)` lists what is partitioned).
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-from ..comm.ops import broadcast, start_all_gather
+from .stage3_init_shards import (_INTERNAL, InitShard, ShardState, eligible, full_value, gather,  # noqa: F401
+                                 init_shard, internal, partitioned_parameters, register, release, replaced,
+                                 settle, shape_of, touch, drop_touched)
 
 
 class InitParameterError(RuntimeError):
-    """A parameter partitioned by `zerospeed.zero.Init` was used while only its slice exists."""
+    """A parameter partitioned by `zerospeed.zero.Init` was used in a way Init cannot support."""
 
 
-@dataclass
-class InitShard:
-    """One parameter partitioned by Init: shape / numel of the full parameter; local: this rank's
-    slice [ceil(numel / N)] of the flattened parameter, zero-padded; gathered: its .data is full now."""
-
-    shape: torch.Size
-    numel: int
-    local: torch.Tensor
-    group: dist.ProcessGroup | None
-    gathered: bool = False
-
-
-# id(param) -> (weak reference, slice); keyed by id because tensors compare elementwise
-_SHARDS: dict[int, tuple[weakref.ref, InitShard]] = {}
-_INTERNAL = [0]  # > 0 while our own code touches parameters (the guard lets it through)
-_ALLOWED_GETTERS = {"grad_fn", "requires_grad", "is_leaf", "grad", "dtype", "device", "_base"}
+# attribute getters / methods that need no values (pass through on the empty tensor)
+_PASS_GETTERS = {"grad_fn", "requires_grad", "is_leaf", "grad", "dtype", "device", "_base", "is_meta", "is_cuda",
+                 "is_cpu", "layout", "is_sparse", "is_quantized", "is_nested", "itemsize", "name", "names", "_version",
+                 "_grad", "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks"}
+_PASS_METHODS = {"requires_grad_", "is_floating_point", "is_complex", "element_size", "get_device", "__hash__",
+                 "register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
+# methods that write every element of their first argument: no gather needed before them
+_OVERWRITE_METHODS = {"normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "exponential_", "log_normal_",
+                      "cauchy_", "geometric_", "bernoulli_"}
 
 
-def init_shard(param: torch.Tensor) -> InitShard | None:
-    """The Init slice of `param`, or None if Init did not partition it (or it was handed over)."""
-    entry = _SHARDS.get(id(param))
-    return entry[1] if entry is not None and entry[0]() is param else None
-
-
-def _put(param: nn.Parameter, st: InitShard) -> None:
-    _SHARDS[id(param)] = (weakref.ref(param), st)
-    weakref.finalize(param, _SHARDS.pop, id(param), None)
-
-
-def _pop(param: torch.Tensor) -> InitShard | None:
-    st = init_shard(param)
-    if st is not None:
-        del _SHARDS[id(param)]
-    return st
-
-
-def partitioned_parameters(module: nn.Module) -> list[str]:
-    """Names of `module`'s parameters partitioned by Init and not yet handed to a stage-3 strategy."""
-    return [n for n, p in module.named_parameters() if init_shard(p) is not None]
-
-
-def shape_of(param: torch.Tensor) -> torch.Size:
-    st = init_shard(param)
-    return st.shape if st is not None else param.shape
-
-
-def _partition(param: nn.Parameter, group) -> None:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    with torch.no_grad():
-        broadcast(param.data, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        flat, n = param.detach().reshape(-1), param.numel()
-        per = -(-n // world)
-        local = torch.zeros(per, dtype=param.dtype, device=param.device)
-        lo, hi = min(rank * per, n), min((rank + 1) * per, n)
-        local[:hi - lo] = flat[lo:hi]
-        _put(param, InitShard(param.shape, n, local, group))
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-
-def _full(st: InitShard) -> torch.Tensor:
-    world = dist.get_world_size(st.group)
-    out = torch.empty(st.local.numel() * world, dtype=st.local.dtype, device=st.local.device)
-    start_all_gather(out, st.local, group=st.group).wait()
-    return out[:st.numel].view(st.shape)
-
-
-def full_value(param: torch.Tensor) -> torch.Tensor:
-    """The full value of `param`: its data, or (collective) the all-gather of its Init slices, after
-    which Init forgets it (a stage-3 strategy owns it from then on)."""
-    st = _pop(param)
-    if st is None:
-        return param.data
-    return param.data if st.gathered else _full(st)
-
-
-def gather(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """GatheredParameters for Init-partitioned parameters: give each its full value. Collective."""
-    taken = [p for p in params if init_shard(p) is not None and not init_shard(p).gathered]
-    _INTERNAL[0] += 1
-    try:
-        for p in taken:
-            p.data = _full(init_shard(p)).clone()
-            init_shard(p).gathered = True
-    finally:
-        _INTERNAL[0] -= 1
-    return taken
-
-
-def release(params: list[nn.Parameter], modifier_rank: int | None) -> None:
-    """Undo `gather`; with modifier_rank, that rank's values are broadcast and re-partitioned. Collective."""
-    _INTERNAL[0] += 1
-    try:
-        for p in params:
-            st = init_shard(p)
-            if modifier_rank is None:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                st.gathered = False
-                continue
-            group = st.group
-            src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
-            broadcast(p.data, src, group=group)  # _partition broadcasts from rank 0: do it from src here
-            rank = dist.get_rank(group)
-            st.local.zero_()
-            lo, hi = min(rank * st.local.numel(), st.numel), min((rank + 1) * st.local.numel(), st.numel)
-            st.local[:hi - lo] = p.detach().reshape(-1)[lo:hi]
-            st.gathered = False
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    finally:
-        _INTERNAL[0] -= 1
+def _shape_answer(name: str, attr, st: InitShard, args, kwargs):
+    """The full-shape answer to a metadata query on a SHARDED parameter, or None if it is not one."""
+    if name == "__get__":
+        return st.shape if attr == "shape" else len(st.shape) if attr == "ndim" else None
+    if name == "size":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return st.shape if dim is None else st.shape[dim]
+    if name in ("dim", "ndimension"):
+        return len(st.shape)
+    if name in ("numel", "nelement"):
+        return st.numel
+    if name == "__len__":
+        return st.shape[0]
+    return None
 
 
 class _Guard(TorchFunctionMode):
+    """Runs every op that uses a partitioned parameter on its full value (see the module docstring)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _INTERNAL[0] and getattr(func, "__name__", "") != "__set__" and \
-                getattr(getattr(func, "__self__", None), "__name__", None) not in _ALLOWED_GETTERS:
-            for a in (*args, *kwargs.values()):
-                st = init_shard(a) if isinstance(a, nn.Parameter) else None
-                if st is not None and not st.gathered:
-                    name = getattr(getattr(func, "__self__", None), "__name__", None) or getattr(func, "__name__", func)
-                    raise InitParameterError(
-                        f"zerospeed.zero.Init: a parameter of shape {tuple(st.shape)} was used by {name} after it was "
-                        "partitioned (its module was attached to its parent; each rank keeps 1/"
-                        f"{dist.get_world_size(st.group)}). Initialise it in its own module's __init__, or wrap the "
-                        "code in `with zerospeed.zero.GatheredParameters(params, modifier_rank=0):`.")
-        return func(*args, **kwargs)
+        if _INTERNAL[0]:
+            return func(*args, **kwargs)
+        leaves = tree_leaves((args, kwargs))
+        params = []
+        for a in leaves:
+            if isinstance(a, nn.Parameter):
+                st = init_shard(a)
+                if st is not None and st.state is not ShardState.GATHERED and not any(q is a for q, _ in params):
+                    params.append((a, st))
+        if not params:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        attr = getattr(getattr(func, "__self__", None), "__name__", None)  # the attribute of a getter / setter
+        if (name == "__get__" and attr in _PASS_GETTERS) or (name == "__set__" and attr != "data") \
+                or name in _PASS_METHODS:
+            return func(*args, **kwargs)
+        first, st0 = params[0]
+        if st0.state is ShardState.SHARDED and args and args[0] is first:
+            answer = _shape_answer(name, attr, st0, args, kwargs)
+            if answer is not None:
+                return answer
+        settle(keep_owners=tuple(o for o in (st.owner() if st.owner is not None else None for _, st in params)
+                                 if o is not None))
+        if name == "__set__":  # `p.data = value`: the value replaces every element
+            out = func(*args, **kwargs)
+            replaced(args[0])
+            return out
+        dest = args[0] if args else kwargs.get("tensor")
+        overwrite = (getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_")
+                     and not name.startswith("_")) or name in _OVERWRITE_METHODS
+        for p, st in params:
+            if st.state is ShardState.SHARDED:
+                touch(p, overwrite=overwrite and p is dest and sum(x is p for x in leaves) == 1)
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and any(p.requires_grad for p, _ in params) and \
+                any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in tree_leaves(out)):
+            shape = tuple(params[0][1].shape)
+            raise InitParameterError(
+                f"zerospeed.zero.Init: a partitioned parameter of shape {shape} was used by {name or func} in a "
+                "differentiable computation inside the Init context; its full value there is temporary, so the "
+                "result would not follow the parameter. Run that code under torch.no_grad(), or after "
+                "zerospeed.initialize(...) (in forward).")
+        return out
+
+
+def _ensure_dist() -> None:
+    from ..comm import init_distributed
+
+    init_distributed()  # a no-op when a process group exists (DeepSpeed's zero.Init does the same)
 
 
 class Init:
     """`with zerospeed.zero.Init(): model = MyModel()` - build `model` partitioned (DeepSpeed's signature).
 
+    Works for transformers models too: `GPT2LMHeadModel(config)`, `AutoModelForCausalLM.from_config(c)`,
+    `AutoModelForCausalLM.from_pretrained(dir)` under the context give the weights of a plain build /
+    the checkpoint, each rank holding [ceil(numel / N)] elements of every parameter (see the module
+    docstring for how). Collective: enter, build and exit on every rank of the group, in the same order.
+
     data_parallel_group: ranks to partition over (default: the world). enabled=False: a no-op.
     module: the function form `Init(module=model)` partitions an existing model's sub-modules now.
     dtype must be None or torch.float32 and remote_device None or "none" (parameter offload is set by
-    `offload_param` in the config); other DeepSpeed arguments are accepted and ignored. Raises RuntimeError if the process
-    group is not initialised (call `zerospeed.init_distributed()` first), ValueError for an
-    unsupported dtype / remote_device.
+    `offload_param` in the config); other DeepSpeed arguments are accepted and ignored. Creates the
+    default process group (`zerospeed.init_distributed()`, from torchrun's / SLURM's environment) if
+    none exists, as DeepSpeed does. Raises ValueError for an unsupported dtype / remote_device.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear=True,
@@ -180,42 +149,58 @@ class Init:
         if dtype not in (None, torch.float32):
             raise ValueError(f"zerospeed.zero.Init(dtype={dtype}): only fp32 is supported for now")
         if remote_device not in (None, "none"):
-            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}) is not supported: Init partitions on "
-                             "the compute device; set zero_optimization.offload_param.device in the config and "
+            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}) is not supported: Init partitions "
+                             "on the compute device; set zero_optimization.offload_param.device in the config and "
                              "zerospeed.initialize moves each rank's shards there")
         self.group, self.enabled = data_parallel_group, enabled
-        self._hook = None
+        self._hooks: list = []
         self._guard = None
         if module is not None and enabled:
-            self._check_dist()
-            for child in module.modules():
-                if child is not module:
-                    self._attach(None, "", child)
-
-    def _check_dist(self) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("zerospeed.zero.Init needs the process group: call zerospeed.init_distributed() "
-                               "(or torch.distributed.init_process_group) before building the model")
+            _ensure_dist()
+            for child in module.children():
+                self._attach(module, "", child)
 
     def _attach(self, parent, name, child) -> None:
-        _INTERNAL[0] += 1
-        try:
-            for p in child.parameters():
-                if init_shard(p) is None and p.numel():
-                    _partition(p, self.group)
-        finally:
-            _INTERNAL[0] -= 1
+        """Module registration hook: partition the parameters of `child` built outside the context."""
+        if _INTERNAL[0] or child is None:
+            return None
+        new = False
+        for m in child.modules():
+            for p in m._parameters.values():
+                if eligible(p):
+                    register(p, self.group, m)
+                    new = True
+        if new:
+            settle()
+        return None
+
+    def _on_parameter(self, module, name, param):
+        """Parameter registration hook: partition `param` (lazily; see `settle`)."""
+        if _INTERNAL[0] or param is None or not eligible(param):
+            return None
+        settle(keep_owners=(module,))
+        register(param, self.group, module)
+        return None
 
     def __enter__(self) -> Init:
         if self.enabled:
-            self._check_dist()
-            self._hook = register_module_module_registration_hook(self._attach)
+            _ensure_dist()
+            self._hooks = [register_module_module_registration_hook(self._attach),
+                           register_module_parameter_registration_hook(self._on_parameter)]
             self._guard = _Guard()
             self._guard.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._guard is not None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._guard is None:
+            return
+        try:
+            if exc_type is None:
+                settle()  # collective: re-partition what is still full
+            else:
+                drop_touched()  # no collective on a failing rank
+        finally:
             self._guard.__exit__(None, None, None)
-            self._hook.remove()
-            self._guard, self._hook = None, None
+            for h in self._hooks:
+                h.remove()
+            self._guard, self._hooks = None, []
