@@ -393,8 +393,7 @@ def test_optimizer_switch_outside_params_is_an_error():
     assert "put it inside optimizer.params" in error({**BASE, "optimizer": {"type": "Adam", "adam_w_mode": False}})
 
 
-@pytest.mark.parametrize("name,fragment", [("Lamb", "does not support yet"), ("Lion", "does not support yet"),
-                                           ("Muon", "does not support yet"),
+@pytest.mark.parametrize("name,fragment", [("Muon", "does not support yet"),
                                            ("Adamm", "did you mean 'Adam'? supported: Adam, AdamW, SGD, Adagrad, RMSprop"),
                                            ("FusedAdam", "supported: Adam, AdamW")])
 def test_other_optimizer_types(name, fragment):

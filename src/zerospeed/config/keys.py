@@ -45,8 +45,6 @@ REMOVED_OPTIMIZERS = {"onebitadam": "OneBitAdam", "onebitlamb": "OneBitLamb", "z
 
 #: optimizer.type (lower case) -> spelling, for DeepSpeed optimizers zerospeed does not have yet.
 UNSUPPORTED_OPTIMIZERS = {
-    "lamb": "Lamb",
-    "lion": "Lion",
     "muon": "Muon",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",

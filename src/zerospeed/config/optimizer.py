@@ -1,4 +1,4 @@
-"""The ``optimizer`` block: ``{"type": ..., "params": {...}}`` mapped onto a ``torch.optim`` class.
+"""The ``optimizer`` block: ``{"type": ..., "params": {...}}`` mapped onto an optimizer class.
 
 DeepSpeed semantics kept here (``engine.py::_configure_basic_optimizer``):
 
@@ -13,6 +13,10 @@ DeepSpeed semantics kept here (``engine.py::_configure_basic_optimizer``):
 * DeepSpeed's Adam kernels default ``weight_decay`` to 0.0 whereas ``torch.optim.AdamW`` defaults to
   0.01; ``torch_kwargs()`` fills 0.0 so the same config trains the same way.
 * ``max_grad_norm`` in the params is an error: use the top-level ``gradient_clipping``.
+* "Lamb" and "Lion" name zerospeed's own classes (``zerospeed.optim.Lamb`` / ``Lion``, torch has
+  none) and take DeepSpeed's FusedLamb / FusedLion params (``OWN_OPTIMIZER_PARAMS``); FusedLion's
+  ``set_grad_none`` is accepted and dropped (the engine always sets gradients to None). Lamb's trust
+  ratio needs whole parameters, so ``check_optimizer_for_stage`` refuses it at ZeRO stages 1-3.
 
 ``"auto"`` values (Hugging Face convention) for lr / betas / eps / weight_decay are copied from the
 client optimizer (its ``param_groups[0]``, else its ``defaults``) passed to ``load_config``.
@@ -30,17 +34,37 @@ from ._base import ConfigModel, is_auto
 from .errors import ConfigIssue, closest_key, short_repr
 from .keys import REMOVED_OPTIMIZERS, UNSUPPORTED_OPTIMIZERS
 
-__all__ = ["OptimizerConfig", "SUPPORTED_OPTIMIZERS", "client_hyperparam", "torch_optimizer_kwargs"]
+__all__ = ["OptimizerConfig", "SUPPORTED_OPTIMIZERS", "OWN_OPTIMIZER_PARAMS", "check_optimizer_for_stage",
+           "client_hyperparam", "optimizer_kwargs", "torch_optimizer_kwargs"]
 
-#: optimizer.type (lower case) -> canonical spelling = torch.optim class name.
-SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+#: optimizer.type (lower case) -> canonical spelling = the class name (torch.optim's, or zerospeed.optim's
+#: for Lamb and Lion).
+SUPPORTED_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop",
+                        "lamb": "Lamb", "lion": "Lion"}
+
+#: The keyword arguments of zerospeed's own optimizers (``zerospeed.optim.Lamb`` / ``Lion``, DeepSpeed's
+#: FusedLamb / FusedLion arguments); written out because config sits below optim in the layering
+#: (tests/unit/test_lamb_lion.py checks them against the classes' signatures).
+OWN_OPTIMIZER_PARAMS = {
+    "Lamb": ("lr", "bias_correction", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm",
+             "max_coeff", "min_coeff", "amsgrad"),
+    "Lion": ("lr", "betas", "weight_decay"),
+}
 
 #: params that may be "auto" (filled from the client optimizer).
 AUTO_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 _ADAM_SWITCHES = ("adam_w_mode", "torch_adam", "bias_correction")
+_LION_SWITCHES = ("set_grad_none",)  # FusedLion's; zero_grad always sets None in the engine
 _ADAM_DEFAULTS = {"weight_decay": 0.0}  # FusedAdam / DeepSpeedCPUAdam default (torch AdamW: 0.01)
-_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "alpha", "lr_decay", "dampening")
+_NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "alpha", "lr_decay", "dampening", "max_coeff", "min_coeff")
+
+
+def _switches(canonical: str) -> tuple[str, ...]:
+    """DeepSpeed arguments accepted in params but never passed to the class."""
+    if canonical in ("Adam", "AdamW"):
+        return _ADAM_SWITCHES
+    return _LION_SWITCHES if canonical == "Lion" else ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +75,31 @@ def torch_optimizer_kwargs(class_name: str) -> tuple[str, ...]:
     sig = inspect.signature(getattr(torch.optim, class_name).__init__)
     return tuple(name for name, p in sig.parameters.items()
                  if name not in ("self", "params") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def optimizer_kwargs(class_name: str) -> tuple[str, ...]:
+    """The keyword arguments the optimizer class ``class_name`` accepts: zerospeed's own (Lamb, Lion)
+    from ``OWN_OPTIMIZER_PARAMS``, else ``torch.optim``'s."""
+    if class_name in OWN_OPTIMIZER_PARAMS:
+        return OWN_OPTIMIZER_PARAMS[class_name]
+    return torch_optimizer_kwargs(class_name)
+
+
+def check_optimizer_for_stage(optimizer: "OptimizerConfig | None", stage: int) -> None:
+    """Refuse an optimizer that cannot run at ZeRO ``stage``: Lamb at stages 1-3.
+
+    Lamb's trust ratio ||x|| / ||update|| is a norm over each whole parameter tensor, but from stage 1
+    on the optimizer steps flat partition slices that cut across parameters, so no per-parameter
+    ratio exists there (DeepSpeed lists FusedLamb as untested with ZeRO for the same reason).
+    Raises NotImplementedError naming the stage and the fix. Lion and the torch optimizers are
+    elementwise and run at every stage.
+    """
+    if optimizer is not None and optimizer.type == "Lamb" and stage >= 1:
+        raise NotImplementedError(
+            f"optimizer.type 'Lamb' cannot run at zero_optimization.stage={stage}: its trust ratio is a norm over "
+            "each whole parameter, and ZeRO stages 1-3 step flat partition slices that cut across parameters. "
+            "Use \"zero_optimization\": {\"stage\": 0} with Lamb, or another optimizer (Lion, Adam, AdamW) "
+            f"at stage {stage}")
 
 
 def _plain(value: Any) -> Any:
@@ -80,8 +129,8 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check_value(key: str, value: Any) -> tuple[Any, str | None]:
-    """Normalise one param value; return (value, problem or None)."""
+def _check_value(key: str, value: Any, canonical: str = "Adam") -> tuple[Any, str | None]:
+    """Normalise one param value of optimizer ``canonical``; return (value, problem or None)."""
     if key in _NON_NEGATIVE:
         if not _is_number(value) or value < 0:
             return value, f"must be a number >= 0, got {short_repr(value)}"
@@ -90,7 +139,10 @@ def _check_value(key: str, value: Any) -> tuple[Any, str | None]:
                 or not all(0 <= b < 1 for b in value)):
             return value, f"must be a list of two numbers in [0, 1), e.g. [0.9, 0.999]; got {short_repr(value)}"
         return [float(b) for b in value], None
-    elif key in ("adam_w_mode", "torch_adam", "amsgrad", "nesterov", "maximize", "centered"):
+    elif canonical == "Lamb" and key == "amsgrad" and value is not False:
+        return value, "Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too); remove the key"
+    elif key in ("adam_w_mode", "torch_adam", "amsgrad", "nesterov", "maximize", "centered", "eps_inside_sqrt",
+                 "set_grad_none") or (key == "bias_correction" and canonical == "Lamb"):
         if not isinstance(value, bool):
             return value, f"must be true or false, got {short_repr(value)}"
     elif key == "bias_correction":
@@ -108,11 +160,15 @@ class OptimizerConfig(ConfigModel):
     """
 
     type: str
-    """Canonical optimizer name: "Adam", "AdamW", "SGD", "Adagrad" or "RMSprop" (given in any case).
-    "Adam" runs AdamW unless params.adam_w_mode is false (DeepSpeed's rule)."""
+    """Canonical optimizer name: "Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Lamb" or "Lion" (given
+    in any case). "Adam" runs AdamW unless params.adam_w_mode is false (DeepSpeed's rule). "Lamb"
+    (You et al. 2020) runs at ZeRO stage 0 only; "Lion" (Chen et al. 2023) at every stage."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Constructor arguments as written (with "auto" values resolved). Includes the DeepSpeed
-    switches adam_w_mode / torch_adam / bias_correction; ``torch_kwargs()`` leaves them out."""
+    switches adam_w_mode / torch_adam / bias_correction (Adam) and set_grad_none (Lion);
+    ``torch_kwargs()`` leaves them out. Lamb: lr 1e-3, bias_correction true, betas [0.9, 0.999],
+    eps 1e-8, eps_inside_sqrt false, weight_decay 0, max_coeff 10.0, min_coeff 0.01 unless given;
+    Lion: lr 1e-3, betas [0.9, 0.999], weight_decay 0 (DeepSpeed's FusedLamb / FusedLion defaults)."""
     legacy_fusion: bool = False
     """DeepSpeed's legacy fused-optimizer flag (no effect in zerospeed)."""
 
@@ -166,7 +222,8 @@ class OptimizerConfig(ConfigModel):
 
     @property
     def torch_class_name(self) -> str:
-        """The ``torch.optim`` class to build: "Adam" with adam_w_mode true (default) gives "AdamW"."""
+        """The class to build, for ``optim.build_optimizer``: a ``torch.optim`` name ("Adam" with
+        adam_w_mode true, the default, gives "AdamW"), or "Lamb" / "Lion" (``zerospeed.optim``)."""
         if self.type == "Adam":
             return "AdamW" if self.adam_w_mode else "Adam"
         return self.type
@@ -185,7 +242,7 @@ class OptimizerConfig(ConfigModel):
         """
         kwargs: dict[str, Any] = dict(_ADAM_DEFAULTS) if self.type in ("Adam", "AdamW") else {}
         for key, value in self.params.items():
-            if key in _ADAM_SWITCHES:
+            if key in _switches(self.type):
                 continue
             kwargs[key] = tuple(value) if key == "betas" else value
         return kwargs
@@ -198,8 +255,9 @@ def _check_params(canonical: str, params: dict[str, Any], client: Any) -> tuple[
         torch_name = "Adam"
     elif canonical == "Adam":
         torch_name = "AdamW"
-    accepted = list(torch_optimizer_kwargs(torch_name))
-    extras = list(_ADAM_SWITCHES) if canonical in ("Adam", "AdamW") else []
+    accepted = list(optimizer_kwargs(torch_name))
+    extras = [k for k in _switches(canonical) if k not in accepted]
+    owner = f"zerospeed.optim.{torch_name}" if torch_name in OWN_OPTIMIZER_PARAMS else f"torch.optim.{torch_name}"
     for key in list(params):
         value = params[key]
         if key == "max_grad_norm":
@@ -208,7 +266,7 @@ def _check_params(canonical: str, params: dict[str, Any], client: Any) -> tuple[
         elif key not in accepted and key not in extras:
             best = closest_key(key, accepted + extras)
             hint = f"did you mean '{best}'? " if best else ""
-            issues.append(((key,), f"unknown parameter for torch.optim.{torch_name}: {hint}valid: "
+            issues.append(((key,), f"unknown parameter for {owner}: {hint}valid: "
                                    f"{', '.join(accepted + extras)}"))
         elif is_auto(value):
             if key not in AUTO_PARAMS:
@@ -221,11 +279,15 @@ def _check_params(canonical: str, params: dict[str, Any], client: Any) -> tuple[
                 issues.append(((key,), f"is 'auto' but {where}: set a value, or pass the optimizer whose "
                                        f"'{key}' should be used (load_config(..., client_optimizer=opt))"))
                 continue
-            params[key], problem = _check_value(key, resolved)
+            params[key], problem = _check_value(key, resolved, canonical)
             if problem:
                 issues.append(((key,), f"value copied from the client optimizer {problem}"))
         else:
-            params[key], problem = _check_value(key, value)
+            params[key], problem = _check_value(key, value, canonical)
             if problem:
                 issues.append(((key,), problem))
+    lo, hi = params.get("min_coeff", 0.01), params.get("max_coeff", 10.0)
+    if canonical == "Lamb" and _is_number(lo) and _is_number(hi) and lo > hi:
+        issues.append((("min_coeff",), f"= {lo} is above max_coeff = {hi}: the trust ratio is clamped to "
+                                       "[min_coeff, max_coeff] (defaults 0.01 and 10.0)"))
     return params, issues

@@ -1,9 +1,11 @@
-"""Build the torch optimizer a config names, on torch's fastest safe implementation.
+"""Build the optimizer a config names, on torch's fastest safe implementation.
 
 ``build_optimizer(params, "AdamW", {"lr": 1e-4, "betas": [0.9, 0.999]})`` creates
 ``torch.optim.AdamW``. Mapping DeepSpeed's optimizer names and options (``"Adam"`` +
-``adam_w_mode``, ``torch_adam``, ...) to a torch class name is the config layer's job; this
-function only takes a torch class name and that class's keyword arguments.
+``adam_w_mode``, ``torch_adam``, ...) to a class name is the config layer's job; this function
+only takes a class name and that class's keyword arguments. A class name is looked up first in
+``OWN_OPTIMIZERS`` (optimizers zerospeed implements because torch has none: ``"Lamb"``,
+``"Lion"``), then in ``torch.optim``.
 
 Implementation choice (when neither ``fused`` nor ``foreach`` is given, in the kwargs or in any
 param group, and ``differentiable`` is not set):
@@ -33,12 +35,17 @@ from typing import Any
 
 import torch
 
+from zerospeed.optim.lamb import Lamb
+from zerospeed.optim.lion import Lion
 from zerospeed.utils.kwargs import check_kwargs
 
-__all__ = ["build_optimizer", "TORCH_OPTIMIZERS"]
+__all__ = ["build_optimizer", "resolve_optimizer_class", "OWN_OPTIMIZERS", "TORCH_OPTIMIZERS"]
 
 #: The torch optimizers a config is expected to name; any other ``torch.optim`` class also works.
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop")
+
+#: zerospeed's own optimizer classes by name, resolved before ``torch.optim`` (which has none of these).
+OWN_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"Lamb": Lamb, "Lion": Lion}
 
 _IMPLEMENTATION_KEYS = ("fused", "foreach")
 
@@ -57,17 +64,23 @@ def _torch_optimizer_names() -> list[str]:
     return sorted(names)
 
 
-def _resolve_class(torch_class_name: str) -> type[torch.optim.Optimizer]:
-    names = _torch_optimizer_names()
-    if torch_class_name in names:
-        return getattr(torch.optim, torch_class_name)
+def resolve_optimizer_class(class_name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class named ``class_name``: one of ``OWN_OPTIMIZERS``, else ``torch.optim.<class_name>``.
+
+    Raises ValueError for any other name (naming the closest valid one and listing them all)."""
+    if class_name in OWN_OPTIMIZERS:
+        return OWN_OPTIMIZERS[class_name]
+    torch_names = _torch_optimizer_names()
+    if class_name in torch_names:
+        return getattr(torch.optim, class_name)
+    names = sorted(OWN_OPTIMIZERS) + torch_names
     by_lower = {n.lower(): n for n in names}
-    close = [by_lower[torch_class_name.lower()]] if torch_class_name.lower() in by_lower else []
-    close = close or difflib.get_close_matches(torch_class_name, names, n=1, cutoff=0.5)
+    close = [by_lower[class_name.lower()]] if class_name.lower() in by_lower else []
+    close = close or difflib.get_close_matches(class_name, names, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(
-        f"unknown optimizer {torch_class_name!r}: not a torch.optim class.{hint} "
-        f"Valid names: {', '.join(names)}"
+        f"unknown optimizer {class_name!r}: neither a torch.optim class nor one of zerospeed's "
+        f"({', '.join(sorted(OWN_OPTIMIZERS))}).{hint} Valid names: {', '.join(names)}"
     )
 
 
@@ -121,12 +134,13 @@ def _choose_implementation(
 
 def build_optimizer(
     params: Iterable[torch.Tensor] | Iterable[Mapping[str, Any]],
-    torch_class_name: str,
+    class_name: str,
     kwargs: Mapping[str, Any] | None = None,
     *,
     fused_cpu: bool = False,
 ) -> torch.optim.Optimizer:
-    """Create ``torch.optim.<torch_class_name>(params, **kwargs)`` with a fast implementation.
+    """Create ``<class>(params, **kwargs)`` with a fast implementation; ``class_name`` is a
+    ``torch.optim`` class name or one of ``OWN_OPTIMIZERS`` (``resolve_optimizer_class``).
 
     ``params`` is an iterable of tensors or of param-group dicts (``{"params": [...], "lr": ...}``).
     ``kwargs`` are the class's keyword arguments (a JSON list for ``betas`` is turned into a tuple).
@@ -136,14 +150,15 @@ def build_optimizer(
     Raises ``ValueError`` for an unknown class name or keyword (naming the closest valid one), and
     for ``max_grad_norm`` (use the config's ``gradient_clipping``, as DeepSpeed requires).
     """
-    cls = _resolve_class(torch_class_name)
+    cls = resolve_optimizer_class(class_name)
     kwargs = dict(kwargs or {})
     if "max_grad_norm" in kwargs:
         raise ValueError(
             "'max_grad_norm' is not an optimizer parameter; set the top-level config key "
             "'gradient_clipping' instead (DeepSpeed rejects it too)"
         )
-    check_kwargs(cls.__init__, kwargs, skip=("self", "params"), owner=f"torch.optim.{cls.__name__}")
+    owner = f"{cls.__module__.split('.')[0]}.optim.{cls.__name__}"  # torch.optim.AdamW, zerospeed.optim.Lion
+    check_kwargs(cls.__init__, kwargs, skip=("self", "params"), owner=owner)
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
 

@@ -19,6 +19,7 @@ from ..comm.init import default_device, init_distributed, read_launch_env
 from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
 from ..config import ConfigError, ZeroSpeedConfig, load_config
+from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..zero.factory import build_strategy
@@ -103,6 +104,7 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
     if stage not in IMPLEMENTED_STAGES:
         raise NotImplementedError(f"zero_optimization.stage={stage} is not implemented yet in this version of "
                                   f"zerospeed (implemented: {sorted(IMPLEMENTED_STAGES)})")
+    check_optimizer_for_stage(cfg.optimizer, stage)
     zero = cfg.zero_optimization
     opt = zero.offload_optimizer
     if opt is not None and opt.enabled and opt.ratio < 1.0:
