@@ -3,7 +3,8 @@ same optimizer class in one process (same seed, same global batches; fp32).
 
 Lion is elementwise, so it runs at every ZeRO stage on flat partition rows; Lamb needs whole parameters
 and runs at stage 0 (stages 1-3 refuse it at config validation, before any tensor is created).
-Tolerance: 1e-6 relative on every step's loss (only the gradient summation order differs).
+Tolerance: 1e-6 relative on every step's loss (only the gradient summation order differs). Both
+resume from a checkpoint (saved at step 5, loaded into a differently initialised model) bit-exactly.
 """
 import pytest
 import torch
@@ -33,7 +34,23 @@ def _batches(world):
     return global_batches(random_tokens(MICRO * world * STEPS, 64, seed=1), MICRO * world, STEPS)
 
 
-def engine_runs(rank, world):
+def resume_run(name, params, stage, world, ckpt_dir):
+    """(losses of steps 5-9 trained on, losses of steps 5-9 after save at step 5 and load into a
+    differently initialised model): the optimizer state survives a checkpoint."""
+    batches = _batches(world)
+    engine, _, _, _ = zerospeed.initialize(model=tiny_gpt(**MODEL), config=ds_config(name, params, stage))
+    train_engine(engine, batches[:5])
+    engine.save_checkpoint(f"{ckpt_dir}/{name}")
+    straight = train_engine(engine, batches[5:])
+    engine.destroy()
+    engine, _, _, _ = zerospeed.initialize(model=tiny_gpt(seed=5, bias=False), config=ds_config(name, params, stage))
+    engine.load_checkpoint(f"{ckpt_dir}/{name}")
+    resumed = train_engine(engine, batches[5:])
+    engine.destroy()
+    return straight, resumed
+
+
+def engine_runs(rank, world, ckpt_dir):
     out = {}
     for name, params, stage in CASES:  # one launch for the grid
         model = tiny_gpt(**MODEL)
@@ -47,6 +64,8 @@ def engine_runs(rank, world):
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         out[(name, stage)] = {"losses": losses, "state": state, "class": type(inner).__name__}
         engine.destroy()
+    out["resume"] = {name: resume_run(name, params, stage, world, ckpt_dir)
+                     for name, params, stage in (("Lion", LION, 2), ("Lamb", LAMB, 0))}
     try:
         zerospeed.initialize(model=tiny_gpt(**MODEL), config=ds_config("Lamb", LAMB, 2))
         out["lamb_stage2"] = "no error"
@@ -63,8 +82,8 @@ def reference_run(cls, params, world):
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_distributed(engine_runs, 2)
+def world2(tmp_path_factory):
+    return run_distributed(engine_runs, 2, str(tmp_path_factory.mktemp("ckpt")))
 
 
 def test_config_lion_at_zero_stage_2_trains_as_plain_pytorch_lion(world2):
@@ -88,3 +107,9 @@ def test_config_lamb_at_stage_0_trains_as_plain_pytorch_lamb_and_is_refused_at_s
         assert state_max_rel_diff(res["state"], ref_state) < 1e-5
     msg = world2[0]["lamb_stage2"]
     assert "zero_optimization.stage=2" in msg and '"stage": 0' in msg
+
+
+def test_lion_at_stage_2_and_lamb_at_stage_0_resume_from_a_checkpoint_exactly(world2):
+    for name in ("Lion", "Lamb"):
+        straight, resumed = world2[0]["resume"][name]
+        assert resumed == straight, name

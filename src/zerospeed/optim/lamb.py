@@ -35,9 +35,10 @@ class Lamb(torch.optim.Optimizer):
         x = x - lr * ratio * u
 
     Norms are L2 over the whole tensor. The clamp is DeepSpeed's "lamb coefficient" bound on the
-    ratio (the paper's scaling function phi bounds ||x|| instead). State per parameter: ``step`` (int),
-    ``exp_avg`` and ``exp_avg_sq`` (the parameter's shape and dtype) and ``lamb_coeff`` (0-d tensor,
-    the last ratio; ``get_lamb_coeffs()`` lists them as floats, as DeepSpeed's FusedLamb does).
+    ratio (the paper's scaling function phi bounds ||x|| instead). State per parameter: ``step`` (0-d
+    float32 tensor, as torch's optimizers keep it, so checkpoints can reshard it), ``exp_avg`` and
+    ``exp_avg_sq`` (the parameter's shape and dtype) and ``lamb_coeff`` (0-d tensor, the last ratio;
+    ``get_lamb_coeffs()`` lists them as floats, as DeepSpeed's FusedLamb does).
 
     Args (DeepSpeed's ``FusedLamb`` signature): lr > 0; bias_correction; betas in [0, 1); eps >= 0;
     eps_inside_sqrt; weight_decay >= 0; max_grad_norm must be 0 (clip with the config's top-level
@@ -88,7 +89,7 @@ class Lamb(torch.optim.Optimizer):
                     raise RuntimeError("Lamb does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
@@ -98,7 +99,7 @@ class Lamb(torch.optim.Optimizer):
     @staticmethod
     def _update(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, beta1: float,
                 beta2: float) -> torch.Tensor:
-        exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        exp_avg, exp_avg_sq, t = state["exp_avg"], state["exp_avg_sq"], int(state["step"].item())
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         if group["bias_correction"]:
