@@ -3,6 +3,13 @@
 We translate our options (plus DeepSpeed's underscore spellings) into a torchrun argument list and
 call torchrun in-process, so torchrun's elastic agent does all process management. We never ssh:
 with a multi-node hostfile we print the torchrun / srun command to run on each node instead.
+
+Failures: each rank runs the script through ``zerospeed.launcher.record`` (torchelastic's ``@record``
+for an undecorated script), which writes an uncaught exception to the rank's
+``TORCHELASTIC_ERROR_FILE`` instead of printing it. torchrun's agent reads those files into its
+``ChildFailedError``, and ``main`` prints one summary: the first failing rank's traceback once,
+then one ``[rank 0, 1] ValueError: ...`` line per distinct error. Failures without a recorded
+exception (``os._exit``, signals) keep torchrun's own failure table.
 """
 from __future__ import annotations
 
@@ -15,10 +22,11 @@ from dataclasses import dataclass
 from zerospeed.launcher.hostfile import parse_hostfile
 
 __all__ = ["DEFAULT_MASTER_PORT", "LaunchPlan", "build_torchrun_args", "default_nproc_per_node",
-           "get_parser", "main", "node_commands", "parse_args", "resolve_plan"]
+           "format_failures", "get_parser", "main", "node_commands", "parse_args", "resolve_plan"]
 
 DEFAULT_MASTER_PORT = 29500
 _JOB_ID = "$SLURM_JOB_ID"  # left for the shell to expand in the printed srun command
+_RECORD_MODULE = "zerospeed.launcher.record"
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -146,12 +154,16 @@ def resolve_plan(ns: argparse.Namespace) -> LaunchPlan:
                       master_port=ns.master_port, hosts=hosts, standalone=standalone)
 
 
-def build_torchrun_args(ns: argparse.Namespace, *, node_rank: int | None = None) -> list[str]:
+def build_torchrun_args(ns: argparse.Namespace, *, node_rank: int | None = None,
+                        record: bool = False) -> list[str]:
     """Translate parsed ``zerospeed launch`` options into ``torch.distributed.run`` arguments.
 
     Args:
         ns: the namespace from :func:`parse_args`.
         node_rank: overrides ``ns.node_rank`` (used to print one command per hostfile node).
+        record: run the script through ``python -m zerospeed.launcher.record`` so an uncaught
+            exception reaches the launcher through torchelastic's error file (what ``main`` does;
+            the commands printed for other nodes run the script directly).
 
     Returns:
         The argument list for ``torchrun`` / ``torch.distributed.run.main``, ending in the script
@@ -175,6 +187,8 @@ def build_torchrun_args(ns: argparse.Namespace, *, node_rank: int | None = None)
             args += ["--node-rank", str(plan.node_rank or 0), "--master-addr", plan.master_addr,
                      "--master-port", str(port)]
     args += ["--max-restarts", str(ns.max_restarts)]
+    if record:
+        return args + ["--module", _RECORD_MODULE, *(["--module"] if ns.module else []), ns.script, *ns.script_args]
     if ns.module:
         args.append("--module")
     return args + [ns.script, *ns.script_args]
@@ -199,6 +213,56 @@ def node_commands(ns: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _failure_line(failure) -> tuple[str, bool]:
+    """(one-line description of a torchelastic ProcessFailure, whether it carries a Python exception)."""
+    message = failure.message
+    if isinstance(message, dict) and isinstance(message.get("message"), str):
+        return message["message"], True
+    if failure.exitcode < 0:
+        return f"stopped by signal {failure.signal_name()}", False
+    return f"exited with code {failure.exitcode} (no Python exception recorded)", False
+
+
+def _rank_tag(ranks: list[int]) -> str:
+    return f"[rank {', '.join(map(str, sorted(ranks)))}]"
+
+
+def format_failures(exc, world_size: int | None = None) -> str | None:
+    """One summary for a torchrun ``ChildFailedError``, or None when no rank recorded an exception.
+
+    The first failing rank's traceback (from its error file) comes once, then one rank-tagged
+    line per distinct error, the first failure's first: ``[rank 0, 1] ValueError: bad lr``.
+    """
+    described = {rank: _failure_line(f) for rank, f in exc.failures.items()}
+    recorded = [rank for rank, (_, has_exc) in described.items() if has_exc]
+    if not recorded:
+        return None
+    first, _ = exc.get_first_failure()
+    if first not in recorded:  # e.g. a rank stopped by a signal in the same second
+        first = min(recorded, key=lambda r: (exc.failures[r].timestamp, r))
+    groups: dict[str, list[int]] = {}
+    for rank in [first, *sorted(r for r in described if r != first)]:
+        groups.setdefault(described[rank][0], []).append(rank)
+    callstack = exc.failures[first].message.get("extraInfo", {}).get("py_callstack", "")
+    of = f" of {world_size}" if world_size else ""
+    noun = "rank" if (world_size or len(described)) == 1 else "ranks"
+    lines = [f"zerospeed launch: rank {first} failed first; its traceback:", callstack.rstrip(), "",
+             f"zerospeed launch: {len(described)}{of} {noun} failed:"]
+    lines += [f"{_rank_tag(ranks)} {text}" for text, ranks in groups.items()]
+    return "\n".join(lines)
+
+
+class _DropWorkerFailedLog:
+    """logging filter for torchrun's lines that the summary repeats: 'failed (exitcode: ...)' per
+    failed rank, and 'Sending process ... closing signal' for the ranks it stops afterwards."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("failed (exitcode")
+                    or (msg.startswith("Sending process") and "closing signal" in msg))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zerospeed launch``; returns the process exit code.
 
@@ -207,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success (or after printing per-node commands for a multi-node hostfile without
-        ``--node-rank``), 1 if any rank failed (torchrun's failure summary goes to stderr), 2 on a
-        usage or configuration error.
+        ``--node-rank``), 1 if any rank failed (one rank-tagged summary goes to stderr, see
+        :func:`format_failures`), 2 on a usage or configuration error.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -222,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not ns.module and not os.path.isfile(ns.script):
             raise FileNotFoundError(f"training script {ns.script!r} not found (use -m/--module for a module)")
-        args = build_torchrun_args(ns)
+        args = build_torchrun_args(ns, record=True)
     except (FileNotFoundError, ValueError) as exc:
         print(f"zerospeed launch: error: {exc}", file=sys.stderr)
         return 2
@@ -231,14 +295,24 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    import logging
+
+    api_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    api_log.addFilter(_DropWorkerFailedLog)
     try:
-        torchrun.main(args)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # we are a worker of an outer agent: @record it
+            torchrun.main(args)
+        else:  # torchrun.main's @record would only log that the launcher has no error file of its own
+            torchrun.run(torchrun.parse_args(args))
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
+        summary = format_failures(exc, world_size=plan.nproc_per_node if plan.nnodes == 1 else None)
+        print(summary if summary is not None else exc.format_msg(), file=sys.stderr)
         return 1
     except SignalException as exc:  # Ctrl-C / SIGTERM: torchrun has already passed it on to the ranks
         print(f"zerospeed launch: stopped by signal {int(exc.sigval)}", file=sys.stderr)
         return 128 + int(exc.sigval)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        api_log.removeFilter(_DropWorkerFailedLog)
     return 0
