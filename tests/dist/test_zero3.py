@@ -12,7 +12,7 @@ import zerospeed
 from zerospeed.testing.models import GPT, Block, GPTConfig, random_tokens, tiny_gpt
 from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine, train_reference
 from zerospeed.testing.spawn import run_distributed
-from zerospeed.zero import (GatheredParameters, Init, InitParameterError, ParameterNotGatheredError, ParamStatus,
+from zerospeed.zero import (GatheredParameters, Init, ParameterNotGatheredError, ParamStatus,
                             register_external_parameter, unwrap_for_generation)
 from zerospeed.zero.stage3_init import partitioned_parameters, shape_of
 
@@ -205,7 +205,7 @@ def _train_stack(model, steps):
 
 
 def init_checks(rank, world):
-    """zero.Init: the same weights as a plain build (post-hoc init included), a clear error, a byte budget."""
+    """zero.Init: the same weights as a plain build (post-hoc init included) and a byte budget."""
     torch.manual_seed(0)
     with Init():
         model = Stack(64, 3)
@@ -219,8 +219,6 @@ def init_checks(rank, world):
     with GatheredParameters(list(gpt.parameters())):  # ... on full values: the plain build's weights
         plain = GPT(GPTConfig(bias=False))
         assert max((a - b).abs().max().item() for a, b in zip(gpt.parameters(), plain.parameters())) == 0
-    with pytest.raises(InitParameterError, match="no_grad"), Init():
-        nn.Linear(4, 4).weight * 2  # differentiable use of a partitioned parameter inside Init
     # budget: building under Init never holds the whole model; 20 steps of warm-up collectives ran before
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: big tensors are mmapped, RSS = live
     torch.manual_seed(0)

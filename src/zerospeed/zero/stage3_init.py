@@ -21,10 +21,10 @@ ZeRO, Rajbhandari et al. 2020, §5.3; DeepSpeed's `deepspeed.zero.Init`. DeepSpe
   are; the real tensors it then loads into the modules are partitioned as they are assigned.
 
 Rules: construct on every rank in the same order (partitioning and gathering are collectives).
-A partitioned parameter used in a differentiable op inside the context raises InitParameterError.
-A view taken of a partitioned parameter inside the context (`w = p[0]`) does not write through once
-that parameter is re-partitioned. Only ZeRO stage 3 can train such a model
-(`partitioned_parameters(model)` lists what is partitioned).
+A tensor derived inside the context from a partitioned parameter (a view `w = p[0]`, a forward's
+autograd graph, `model.state_dict()`) refers to the temporary full value: writes to it are lost once
+the parameter is re-partitioned, and it keeps that memory alive. Only ZeRO stage 3 can train such a
+model (`partitioned_parameters(model)` lists what is partitioned).
 """
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .stage3_init_shards import (_INTERNAL, InitShard, ShardState, eligible, full_value, gather,  # noqa: F401
-                                 init_shard, internal, partitioned_parameters, register, release, replaced,
-                                 settle, shape_of, touch, drop_touched)
+from .stage3_init_shards import (_INTERNAL, InitShard, ShardState, drop_touched, eligible, init_shard, register,
+                                 replaced, settle, touch)
+from .stage3_init_shards import full_value, gather, partitioned_parameters, release, shape_of  # noqa: F401 (API)
 
 
 class InitParameterError(RuntimeError):
-    """A parameter partitioned by `zerospeed.zero.Init` was used in a way Init cannot support."""
+    """Kept for code that catches it: Init used to raise it when a partitioned parameter was used
+    inside the context; such ops now run on the parameter's full value instead."""
 
 
 # attribute getters / methods that need no values (pass through on the empty tensor)
@@ -110,14 +111,6 @@ class _Guard(TorchFunctionMode):
             if st.state is ShardState.SHARDED:
                 touch(p, overwrite=overwrite and p is dest and sum(x is p for x in leaves) == 1)
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() and any(p.requires_grad for p, _ in params) and \
-                any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in tree_leaves(out)):
-            shape = tuple(params[0][1].shape)
-            raise InitParameterError(
-                f"zerospeed.zero.Init: a partitioned parameter of shape {shape} was used by {name or func} in a "
-                "differentiable computation inside the Init context; its full value there is temporary, so the "
-                "result would not follow the parameter. Run that code under torch.no_grad(), or after "
-                "zerospeed.initialize(...) (in forward).")
         return out
 
 
