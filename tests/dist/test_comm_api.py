@@ -44,6 +44,10 @@ def _body(rank, world):
     dist.reduce(t, dst=0)
     if rank == 0:
         out["reduce"] = t.tolist()
+    t = torch.tensor([float(rank + 1)])
+    dist.reduce(t, 1, op=dist.ReduceOp.AVG)
+    if rank == 1:
+        out["reduce_avg"] = t.item()
 
     parts = [torch.empty(2) for _ in range(world)]
     dist.all_gather(parts, torch.tensor([rank, 10.0 * rank]))
@@ -112,7 +116,7 @@ def test_deepspeed_comm_functions_give_the_textbook_numbers():
         assert r["all_to_all_single"] == [float(rank), float(rank + 10)]
         assert r["all_to_all_uneven"] == [0.0, 1.0, 1.0]
         assert r["pair_ranks"] == [0, 1] and r["global_world"] == 1
-    assert results[0]["reduce"] == [3.0, 3.0]
+    assert results[0]["reduce"] == [3.0, 3.0] and results[1]["reduce_avg"] == 1.5
     assert results[1]["p2p"] == [1.0, 2.0, 3.0, 0]
     assert results[0]["p2p"] == [2.0, 4.0, 6.0]
     assert results[1]["sub"] == (0, 1, 1) and results[1]["sub_sum"] == 5.0
