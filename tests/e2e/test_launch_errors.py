@@ -12,9 +12,10 @@ import sys
 import textwrap
 import time
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from zerospeed.launcher.launch import build_torchrun_args, format_failures, parse_args
+from zerospeed.launcher.launch import _without_final_message, build_torchrun_args, format_failures, parse_args
 
 LIMIT_S = 30
 
@@ -41,6 +42,7 @@ def test_two_failing_ranks_print_one_rank_tagged_error(tmp_path):
     assert res.returncode == 1, err
     assert elapsed < LIMIT_S
     assert err.count("[rank 0, 1] ValueError: learning rate 3.0 is larger than 1") == 1, err
+    assert err.count("learning rate 3.0 is larger than 1") == 1, err  # the message once, tagged
     assert err.count("Traceback (most recent call last)") == 1, err  # the first failing rank's, once
     assert err.count('raise ValueError(f"learning rate {lr} is larger than 1")') == 1, err
     assert f'File "{script}", line 6, in <module>' in err  # the user's frames, absolute path as python
@@ -120,10 +122,23 @@ def test_format_groups_ranks_by_error_first_failure_first(tmp_path):
     })
     text = format_failures(exc, world_size=4)
     assert text.splitlines()[0] == "zerospeed launch: rank 1 failed first; its traceback:"
-    assert text.count("Traceback") == 1
+    assert text.count("Traceback") == 1 and text.count("bad lr") == 1  # traceback without its last line
     assert text.splitlines()[-4:] == ["zerospeed launch: 4 of 4 ranks failed:", "[rank 1, 2] ValueError: bad lr",
                                       "[rank 0] RuntimeError: Connection closed by peer",
                                       "[rank 3] stopped by signal SIGTERM"]
+
+
+@pytest.mark.parametrize("stack_end, message, kept", [
+    ("ValueError: bad lr", "ValueError: bad lr", False),
+    ("zerospeed.config.errors.ConfigError: invalid ds_config (2 problems):\n  - a\n  - b",
+     "ConfigError: invalid ds_config (2 problems):\n  - a\n  - b", False),
+    ("ValueError", "ValueError: ", False),                          # raise ValueError()
+    ("ValueError: bad lr\n\nsome note", "ValueError: bad lr", True),  # add_note(): keep as is
+])
+def test_traceback_loses_only_a_final_line_repeating_the_message(stack_end, message, kept):
+    stack = f"Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\n    f()\n{stack_end}\n"
+    out = _without_final_message(stack, message)
+    assert out == (stack.rstrip() if kept else 'Traceback (most recent call last):\n  File "t.py", line 1, in <module>\n    f()')
 
 
 def test_format_without_any_recorded_exception_defers_to_torchrun(tmp_path):

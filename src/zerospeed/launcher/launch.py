@@ -223,6 +223,22 @@ def _failure_line(failure) -> tuple[str, bool]:
     return f"exited with code {failure.exitcode} (no Python exception recorded)", False
 
 
+def _without_final_message(callstack: str, message: str) -> str:
+    """The traceback without its last ``Type: message`` lines when they repeat ``message`` (which the
+    rank-tagged line prints), so the error appears once. Unchanged when the ending differs."""
+    stack = callstack.rstrip()
+    name, _, rest = message.partition(": ")
+    tail = f"{name}: {rest}" if rest else name
+    idx = stack.rfind(tail)
+    if idx < 0 or idx + len(tail) != len(stack):
+        return stack
+    start = stack.rfind("\n", 0, idx) + 1
+    prefix = stack[start:idx]  # "" or the module of a non-builtin exception ("pkg.errors.")
+    if prefix and not (prefix.endswith(".") and prefix[:-1].replace(".", "").replace("_", "").isalnum()):
+        return stack
+    return stack[:start].rstrip()
+
+
 def _rank_tag(ranks: list[int]) -> str:
     return f"[rank {', '.join(map(str, sorted(ranks)))}]"
 
@@ -230,8 +246,9 @@ def _rank_tag(ranks: list[int]) -> str:
 def format_failures(exc, world_size: int | None = None) -> str | None:
     """One summary for a torchrun ``ChildFailedError``, or None when no rank recorded an exception.
 
-    The first failing rank's traceback (from its error file) comes once, then one rank-tagged
-    line per distinct error, the first failure's first: ``[rank 0, 1] ValueError: bad lr``.
+    The first failing rank's traceback (from its error file, without the final exception line)
+    comes once, then one rank-tagged line per distinct error, the first failure's first:
+    ``[rank 0, 1] ValueError: bad lr``.
     """
     described = {rank: _failure_line(f) for rank, f in exc.failures.items()}
     recorded = [rank for rank, (_, has_exc) in described.items() if has_exc]
@@ -243,7 +260,8 @@ def format_failures(exc, world_size: int | None = None) -> str | None:
     groups: dict[str, list[int]] = {}
     for rank in [first, *sorted(r for r in described if r != first)]:
         groups.setdefault(described[rank][0], []).append(rank)
-    callstack = exc.failures[first].message.get("extraInfo", {}).get("py_callstack", "")
+    root = exc.failures[first].message
+    callstack = _without_final_message(root.get("extraInfo", {}).get("py_callstack", ""), root["message"])
     of = f" of {world_size}" if world_size else ""
     noun = "rank" if (world_size or len(described)) == 1 else "ranks"
     lines = [f"zerospeed launch: rank {first} failed first; its traceback:", callstack.rstrip(), "",
