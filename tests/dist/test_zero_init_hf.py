@@ -15,6 +15,7 @@ import ctypes
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import zerospeed
 from zerospeed.testing.parity import max_rel_diff
@@ -93,6 +94,29 @@ def _peak_growth(build):
     return out, _rss("VmHWM:") - before
 
 
+class _Probe(nn.Module):
+    """Plain-PyTorch patterns in a parent's __init__: a dummy forward (grad mode) to probe a width, a
+    partial write through a view, a re-init of a child, a parameter on the outermost module."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.width = self.body(torch.zeros(1, 8)).shape[-1]
+        with torch.no_grad():
+            self.body[0].weight[0].fill_(0.5)
+        nn.init.orthogonal_(self.body[2].weight)
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+def _probe() -> tuple[float, int, int]:
+    torch.manual_seed(3)
+    with Init():
+        built = _Probe()
+    torch.manual_seed(3)
+    plain = _Probe()
+    return _max_diff(built, dict(plain.named_parameters())), built.width, len(partitioned_parameters(built))
+
+
 def _checks(kind: str, rank: int, root: str) -> dict:
     cls, cfg = _model(kind)
     torch.manual_seed(0)
@@ -141,7 +165,8 @@ def _memory(rank: int) -> dict:
 def all_checks(rank, world, root):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    return {"gpt2": _checks("gpt2", rank, root), "llama": _checks("llama", rank, root), "memory": _memory(rank)}
+    return {"gpt2": _checks("gpt2", rank, root), "llama": _checks("llama", rank, root), "probe": _probe(),
+            "memory": _memory(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +204,11 @@ def test_stage3_training_after_init_equals_the_plain_run(results, kind):
         assert max_rel_diff(losses["pretrained"], losses["plain"]) <= 1e-6, losses
 
 
+def test_parent_init_code_runs_on_full_values(results):
+    for r in results:
+        assert r["probe"] == (0.0, 8, 5)  # same weights as a plain build; all 5 parameters partitioned
+
+
 def test_build_under_init_peaks_well_under_the_full_model(results):
     for r in results:
         m = r["memory"]
@@ -186,3 +216,23 @@ def test_build_under_init_peaks_well_under_the_full_model(results):
         assert held == expected and 4 * held <= 0.5 * m["full_bytes"] + 4 * 2 * 64  # half, plus padding
         # ~ half the model (this rank's slices) + about one module; a plain build holds all of it
         assert m["init_peak"] < 0.65 * m["full_bytes"] and m["plain_peak"] > 0.9 * m["full_bytes"], m
+
+
+def test_init_creates_the_process_group_when_none_exists(monkeypatch):
+    """As DeepSpeed's zero.Init: no process group and no launcher environment -> a 1-rank group."""
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    try:
+        torch.manual_seed(0)
+        with Init():
+            lin = nn.Linear(8, 4)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert partitioned_parameters(lin) == ["weight", "bias"] and lin.weight.numel() == 0
+        torch.manual_seed(0)
+        ref = nn.Linear(8, 4)
+        assert _max_diff(lin, dict(ref.named_parameters())) == 0.0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

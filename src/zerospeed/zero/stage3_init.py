@@ -56,10 +56,13 @@ _OVERWRITE_METHODS = {"normal_", "uniform_", "zero_", "fill_", "copy_", "random_
                       "cauchy_", "geometric_", "bernoulli_"}
 
 
+_SHAPE_QUERIES = {"size", "dim", "ndimension", "numel", "nelement", "__len__"}
+
+
 def _shape_answer(name: str, attr, st: InitShard, args, kwargs):
-    """The full-shape answer to a metadata query on a SHARDED parameter, or None if it is not one."""
+    """The full-shape answer to a metadata query (`_SHAPE_QUERIES`, `.shape`, `.ndim`) on a SHARDED parameter."""
     if name == "__get__":
-        return st.shape if attr == "shape" else len(st.shape) if attr == "ndim" else None
+        return st.shape if attr == "shape" else len(st.shape)
     if name == "size":
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         return st.shape if dim is None else st.shape[dim]
@@ -67,9 +70,7 @@ def _shape_answer(name: str, attr, st: InitShard, args, kwargs):
         return len(st.shape)
     if name in ("numel", "nelement"):
         return st.numel
-    if name == "__len__":
-        return st.shape[0]
-    return None
+    return st.shape[0]  # __len__
 
 
 class _Guard(TorchFunctionMode):
@@ -93,14 +94,18 @@ class _Guard(TorchFunctionMode):
         if (name == "__get__" and attr in _PASS_GETTERS) or (name == "__set__" and attr != "data") \
                 or name in _PASS_METHODS:
             return func(*args, **kwargs)
-        first, st0 = params[0]
-        if st0.state is ShardState.SHARDED and args and args[0] is first:
-            answer = _shape_answer(name, attr, st0, args, kwargs)
-            if answer is not None:
-                return answer
+        if name in _SHAPE_QUERIES or (name == "__get__" and attr in ("shape", "ndim")):  # never a collective
+            first, st0 = params[0]
+            if args and args[0] is first and st0.state is ShardState.SHARDED:
+                return _shape_answer(name, attr, st0, args, kwargs)
+            if all(st.state is ShardState.TOUCHED for _, st in params):
+                return func(*args, **kwargs)
         settle(keep_owners=tuple(o for o in (st.owner() if st.owner is not None else None for _, st in params)
                                  if o is not None))
-        if name == "__set__":  # `p.data = value`: the value replaces every element
+        if name == "__set__":  # `p.data = value`: the value replaces every element of p
+            for p, st in params:
+                if p is not args[0] and st.state is ShardState.SHARDED:
+                    touch(p, overwrite=False)  # the value is itself a partitioned parameter
             out = func(*args, **kwargs)
             replaced(args[0])
             return out
@@ -110,8 +115,7 @@ class _Guard(TorchFunctionMode):
         for p, st in params:
             if st.state is ShardState.SHARDED:
                 touch(p, overwrite=overwrite and p is dest and sum(x is p for x in leaves) == 1)
-        out = func(*args, **kwargs)
-        return out
+        return func(*args, **kwargs)
 
 
 def _ensure_dist() -> None:
