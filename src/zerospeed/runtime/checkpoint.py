@@ -36,7 +36,7 @@ from .checkpoint_format import (ENGINE_STATE, FORMAT, INDEX, LATEST, VERSION, Ch
                                 CheckpointMismatchError, CheckpointReader, fragment_key, rank_file, read_index,
                                 read_json, scalar_key)
 from .checkpoint_io import dtype_code, fsync_dir, write_safetensors
-from .checkpoint_state import capture_rng, engine_state, restore_engine_state, restore_rng
+from .checkpoint_state import capture_rng, check_group_members, engine_state, restore_engine_state, restore_rng
 
 log = logging.getLogger(__name__)
 _TMP, _OLD = ".tmp-zs", ".old-zs"
@@ -318,6 +318,8 @@ def _load_local(engine, tag_dir: Path, *, strict: bool, optimizer_states: bool, 
             and index.get("elementwise_states"):
         raise CheckpointError(f"the checkpoint holds {index['optimizer']} states but the engine's optimizer is "
                               f"{type(opt).__name__}; pass load_optimizer_states=False to load the weights only")
+    if optimizer_states and opt is not None:  # before anything is loaded: nothing half-restored on an error
+        check_group_members(state.get("optimizer_param_group_names"), getattr(engine, "param_group_names", None))
     with CheckpointReader(tag_dir, index) as reader:
         model_reader = _ModelReader(reader, lookup)
         engine.strategy.load_owned_fragments(engine.module, model_reader, optimizer_states=optimizer_states)

@@ -99,11 +99,29 @@ def engine_state(engine, client_state: dict | None, tensors: dict[str, torch.Ten
         "precision": engine_state_precision(engine),
         "optimizer_class": type(opt).__name__ if opt is not None else None,
         "optimizer_param_groups": enc(groups, "optimizer.param_groups"),
+        "optimizer_param_group_names": getattr(engine, "param_group_names", None),
         "lr_scheduler": enc(sched.state_dict(), "lr_scheduler.state_dict()") if sched is not None else None,
         "loss_scaler": enc(scaler.state_dict(), "loss_scaler.state_dict()") if scaler is not None else None,
         "data_loader": enc(sampler.state_dict(), "data_loader.sampler") if sampler is not None else None,
         "client_state": enc(client_state or {}, "client_state"),
     }
+
+
+def check_group_members(saved: list[list[str]] | None, ours: list[list[str]] | None) -> None:
+    """Raise ValueError unless every parameter both the checkpoint and the engine have is in the same
+    optimizer param group in both (parameters only on one side are for `load_module_strict` to judge).
+    None on either side (a checkpoint from before groups were recorded, no optimizer): no check."""
+    if saved is None or ours is None:
+        return
+    if len(saved) != len(ours):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} param groups, the engine's {len(ours)}; build "
+                         "the optimizer with the same groups, or pass load_optimizer_states=False")
+    then = {n: g for g, names in enumerate(saved) for n in names}
+    moved = [(n, then[n], g) for g, names in enumerate(ours) for n in names if n in then and then[n] != g]
+    if moved:
+        desc = ", ".join(f"{n} (checkpoint: group {a}, engine: group {b})" for n, a, b in moved[:3])
+        raise ValueError(f"{len(moved)} parameter(s) are in another optimizer param group than in the checkpoint, e.g. "
+                         f"{desc}; build the optimizer with the same groups, or pass load_optimizer_states=False")
 
 
 def _restore_groups(opt, saved: list[dict]) -> None:

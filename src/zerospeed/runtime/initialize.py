@@ -8,6 +8,7 @@ only its own section of the config.
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 from typing import Any, Callable
 
@@ -23,9 +24,12 @@ from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..zero.factory import build_strategy
+from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
 from .telemetry import Telemetry
+
+log = logging.getLogger(__name__)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,35 +58,73 @@ def _dp_world_size(mpu) -> int:
     return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
 
 
-def _optimizer_builder(cfg: ZeroSpeedConfig, optimizer):
-    """A function params -> optimizer, from a client optimizer (object or callable) or the config.
+def _select_parameters(model: nn.Module, model_parameters, optimizer) -> list | None:
+    """What the optimizer is built over: `model_parameters` as given (tensors or param-group dicts, frozen
+    tensors left out), or None for all trainable parameters. Trainable parameters that neither
+    `model_parameters` nor a client optimizer object holds are frozen (requires_grad=False): nothing
+    would ever update them (DeepSpeed leaves them out of its optimizer too); a warning names them.
+    Raises TypeError for a mix of tensors and dicts, ValueError for a tensor that is not a model parameter."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    given, held = None, None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        held = {id(t) for g in optimizer.param_groups for t in g["params"]}
+    elif model_parameters is not None:
+        given = [model_parameters] if isinstance(model_parameters, torch.Tensor) else list(model_parameters)
+        if not given:
+            raise ValueError("model_parameters is empty; pass the parameters to train (or leave it out for all)")
+        if all(isinstance(x, dict) for x in given):
+            given = [{**g, "params": [t for t in ([g["params"]] if isinstance(g["params"], torch.Tensor)
+                                                  else list(g["params"])) if t.requires_grad]} for g in given]
+            tensors = [t for g in given for t in g["params"]]
+        elif all(isinstance(x, torch.Tensor) for x in given):
+            given = tensors = [t for t in given if t.requires_grad]
+        else:
+            raise TypeError("model_parameters must be all tensors or all param-group dicts ({'params': [...], ...}), "
+                            "not a mix")
+        stray = [t for t in tensors if id(t) not in names]
+        if stray:
+            raise ValueError(f"model_parameters holds {len(stray)} tensor(s) that are not parameters of the model "
+                             f"(e.g. shape {tuple(stray[0].shape)}); pass the model's own parameters")
+        held = {id(t) for t in tensors}
+    if held is not None:
+        left = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+        if left:
+            log.warning("%d trainable parameter(s) are not in the optimizer (e.g. %s); they are frozen "
+                           "(requires_grad=False), as nothing would update them", len(left),
+                           ", ".join(n for n, _ in left[:3]))
+            for _, p in left:
+                p.requires_grad_(False)
+    return given
 
-    A client optimizer object is reused as-is when the strategy optimizes the very same parameters
-    (stage 0); for partitioned stages its class and defaults are rebuilt over the partitions.
-    """
-    if optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            client = optimizer
 
-            def rebuild(params):
-                own = [p for g in client.param_groups for p in g["params"]]
-                if len(own) == len(params) and all(a is b for a, b in zip(own, params)):
-                    return client
-                group_opts = [{k: v for k, v in g.items() if k != "params"} for g in client.param_groups]
-                if len(group_opts) > 1 or group_opts[0] != client.defaults:
-                    raise NotImplementedError(
-                        f"the client optimizer has {len(group_opts)} param group(s) with their own settings; "
-                        "partitioned ZeRO stages rebuild it from its defaults, which would drop them. Use one "
-                        "param group, or pass a callable optimizer=lambda params: ... instead")
-                return type(client)(params, **client.defaults)
-            return rebuild
-        if callable(optimizer):
-            return optimizer
+def _build_optimizer(cfg: ZeroSpeedConfig, model: nn.Module, optimizer, params):
+    """The optimizer over the model's own trainable parameters in the user's param groups (as plain PyTorch
+    would build it); the ZeRO strategy then re-targets it to what this rank updates. optimizer: a client
+    object (used as it is), a callable (called with `params`, DeepSpeed's `model_parameters`, or the
+    trainable parameters) or None (the config's `optimizer` block, over `params` or all trainable ones)."""
+    trainable = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None:
+        if cfg.optimizer is None:
+            return None
+        opt = build_optimizer(trainable, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs(),
+                              fused_cpu=cfg.optimizer.fused_kernel)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(trainable)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    else:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable(params), got {type(optimizer)}")
-    if cfg.optimizer is None:
-        return None
-    return lambda params: build_optimizer(params, cfg.optimizer.torch_class_name, cfg.optimizer.torch_kwargs(),
-                                          fused_cpu=cfg.optimizer.fused_kernel)
+    check_optimizer_params(opt, model)
+    from ..optim import Lamb
+
+    if isinstance(opt, Lamb) and cfg.zero_optimization.stage >= 1:  # the config's Lamb: _check_supported
+        raise NotImplementedError(f"a client Lamb optimizer cannot run at zero_optimization.stage="
+                                  f"{cfg.zero_optimization.stage}: its trust ratio is a norm over each whole "
+                                  "parameter, and ZeRO stages 1-3 step flat partition slices; use stage 0 with Lamb, "
+                                  "or another optimizer (Lion, Adam, AdamW)")
+    return opt
 
 
 def _build_scheduler(cfg: ZeroSpeedConfig, lr_scheduler, optimizer):
@@ -183,8 +225,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     config: a ds_config as a dict, a path to a JSON file, a JSON string or urlsafe-base64 JSON
     (or `args.deepspeed_config`). optimizer / lr_scheduler: an object, a callable building one
     (from the parameters / from the optimizer), or None to build from the config.
-    model_parameters: the parameters to optimize: all trainable parameters of `model` (the default);
-    param-group dicts and subsets raise NotImplementedError for now.
+    model_parameters: what to optimize, as for a torch optimizer: tensors or param-group dicts
+    ({"params": [...], "weight_decay": 0.0, "lr": ...}), default all trainable parameters of `model`;
+    trainable parameters left out are frozen (requires_grad=False). The returned optimizer's
+    `param_groups` are these groups, in this order, with their hyperparameters, at every ZeRO stage.
     training_data: a torch Dataset; a DataLoader with a DistributedSampler over the data-parallel
     ranks is built for it (micro-batch size from the config).
 
@@ -220,23 +264,18 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # bf16/fp16: cast the model; the strategy builds its fp32 masters from the original values
     original_values = policy.cast_module(model)
 
-    if model_parameters is not None:
-        given = list(model_parameters)
-        if not all(isinstance(p, torch.Tensor) for p in given) or \
-                {id(p) for p in given} != {id(p) for p in model.parameters() if p.requires_grad}:
-            raise NotImplementedError("model_parameters must be all trainable parameters of the model (param "
-                                      "groups as dicts are not supported yet); freeze others with requires_grad=False")
+    opt = _build_optimizer(cfg, model, optimizer, _select_parameters(model, model_parameters, optimizer))
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_names = [[names[id(t)] for t in g["params"]] for g in opt.param_groups] if opt is not None else None
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
     offload = _build_offload(cfg, model, group, policy)
-    strategy = build_strategy(cfg.zero_optimization.stage, module=model,
-                              make_optimizer=_optimizer_builder(cfg, optimizer), group=group,
+    strategy = build_strategy(cfg.zero_optimization.stage, module=model, optimizer=opt, group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload)
     del original_values  # the originals live on only where a strategy adopted them as masters
-    opt = strategy.optimizer
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
     loader = None
@@ -255,6 +294,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
+    engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

@@ -1,8 +1,6 @@
 """Pick and build the ZeRO strategy for a stage: the one place that maps `stage` to a class."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,18 +10,15 @@ from ..precision import MixedPrecisionPolicy
 from .buckets import bucket_elements
 from .strategy import DataParallelStrategy, ZeroStrategy
 
-# Builds the optimizer over whatever tensors the strategy hands it (full parameters for stage 0,
-# flat fp32 partitions for stages >= 1); None when the engine has no optimizer.
-OptimizerBuilder = Callable[[list], torch.optim.Optimizer] | None
-
-
-def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBuilder,
+def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                    group: dist.ProcessGroup | None, zero_cfg, gradient_allreduce_op: str = "mean",
                    predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                    policy: MixedPrecisionPolicy | None = None,
                    master_values: dict[int, torch.Tensor] | None = None, offload=None) -> ZeroStrategy:
     """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
 
+    optimizer: the user's optimizer over the module's trainable parameters, in the user's param groups
+    (None: no optimizer); the strategy re-targets it to what this rank updates (`param_groups.py`).
     zero_cfg: the validated `zero_optimization` section (bucket sizes in elements, stage-3 knobs).
     policy: the mixed-precision policy (default fp32); the module must already be cast to
     `policy.param_dtype`. master_values: {id(param): original fp32 value} from
@@ -37,14 +32,14 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
     bucket = bucket_elements(int(zero_cfg.reduce_bucket_size), "reduce_bucket_size" in zero_cfg.model_fields_set)
     if stage == 0:
         names = {id(p): n for n, p in module.named_parameters()}
-        return DataParallelStrategy(params, make_optimizer, group=group, bucket_size=bucket,
+        return DataParallelStrategy(params, optimizer, group=group, bucket_size=bucket,
                                     average=gradient_allreduce_op == "mean", predivide_factor=predivide_factor,
                                     logger=logger, policy=policy, names=[names[id(p)] for p in params],
                                     master_values=master_values)
     if stage in (1, 2):
         from .stage12 import Stage12Strategy
 
-        return Stage12Strategy(module, params, make_optimizer, stage=stage, group=group,
+        return Stage12Strategy(module, params, optimizer, stage=stage, group=group,
                                reduce_bucket_size=bucket,
                                allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
                                reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
@@ -53,7 +48,7 @@ def build_strategy(stage: int, *, module: nn.Module, make_optimizer: OptimizerBu
     if stage == 3:
         from .stage3 import Stage3Strategy
 
-        return Stage3Strategy.from_config(module, make_optimizer, group=group, zero_cfg=zero_cfg,
+        return Stage3Strategy.from_config(module, optimizer, group=group, zero_cfg=zero_cfg,
                                           average=gradient_allreduce_op == "mean",
                                           predivide_factor=predivide_factor, logger=logger, policy=policy,
                                           master_values=master_values, offload=offload)

@@ -16,7 +16,8 @@ Loading is the same walk with the ranges this rank owns *now*; the reader return
 logical tensor whatever world size and stage wrote it, so no conversion step exists.
 
 Masters: `_stage0_local`, `_stage12_local` and `_stage3_local` name the tensors the optimizer
-updates, the fp32 masters (`strategy.master_params`; stage 3: each unit's `shard`). In fp32 they
+updates, the fp32 masters (`strategy.master_params`, cut into per-param-group segments at stages 1-3:
+`param_groups.py`; stage 3: each unit's `shard`). In fp32 they
 are the parameters / their flat partitions / the unit shards themselves; under bf16/fp16 they are
 separate fp32 tensors. After masters are loaded the checkpoint code calls
 `strategy.refresh_params_from_master()` (collective), which copies master -> low-precision
@@ -143,17 +144,29 @@ def _stage12_local(strategy) -> torch.Tensor:
     return strategy.master
 
 
+def _segment_slots(strategy, pieces) -> list[_Slot]:
+    """One slot per optimizer segment (`strategy.segments`, aligned with `strategy.master_params`, both in
+    (source, start) order); `pieces` = (source, col_start, col_end, LogicalParam, param_start) in the same
+    order, each inside exactly one segment (`param_groups.merge_segments` guarantees it)."""
+    segs, tensors = strategy.segments, strategy.master_params
+    frags: list[list] = [[] for _ in segs]
+    i = 0
+    for source, lo, hi, lp, p_start in pieces:
+        while (segs[i].source, segs[i].end) <= (source, lo):
+            i += 1
+        seg = segs[i]
+        take = (lambda a, b: lambda t: t[a:b])(lo - seg.start, hi - seg.start)
+        frags[i].append((lp, p_start, p_start + hi - lo, take))
+    return [_Slot(t, fr) for t, fr in zip(tensors, frags)]
+
+
 def _stage12_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
-    """One slot per chunk: the optimizer steps the K rows of the partition (`master_params`, [S] each)."""
-    layout, rows = strategy.layout, strategy.master_params
-    frags: list[list] = [[] for _ in rows]
-    for f in layout.fragments(rank):
-        p = strategy.params[f.index]
-        col = f.flat_start - layout.shard_range(f.chunk, rank)[0]
-        take = (lambda a, b: lambda t: t[a:b])(col, col + f.numel)
-        frags[f.chunk].append((_logical(names, p, p.shape, rows[f.chunk].dtype), f.param_offset,
-                               f.param_offset + f.numel, take))
-    return [_Slot(row, fr) for row, fr in zip(rows, frags)]
+    """One slot per segment of the partition's K rows (one group: the rows, [S] each)."""
+    layout, dtype = strategy.layout, strategy.master.dtype
+    return _segment_slots(strategy, (
+        (f.chunk, f.flat_start - layout.shard_range(f.chunk, rank)[0], f.flat_end - layout.shard_range(f.chunk, rank)[0],
+         _logical(names, strategy.params[f.index], strategy.params[f.index].shape, dtype), f.param_offset)
+        for f in layout.fragments(rank)))
 
 
 def _stage3_local(unit) -> torch.Tensor:
@@ -162,21 +175,20 @@ def _stage3_local(unit) -> torch.Tensor:
     return unit.shard
 
 
-def _stage3_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
-    slots = []
-    for u in strategy.units:
-        if not u.layout.padded:
-            continue  # no elements: not in the optimizer
+def _stage3_pieces(strategy, names, rank: int):
+    for i, u in enumerate(strategy.opt_units):
         first = u.layout.rank_range(rank)[0]
-        frags = []
         for sp in u.params:
             lo, hi = u.layout.param_shard_range(sp.index, rank)
             if hi > lo:
-                base = sp.offset + lo - first
-                take = (lambda a, b: lambda t: t[a:b])(base, base + hi - lo)
-                frags.append((_logical(names, sp.param, sp.shape, u.shard.dtype), lo, hi, take))
-        slots.append(_Slot(_stage3_local(u), frags))
-    return slots
+                yield (i, sp.offset + lo - first, sp.offset + hi - first,
+                       _logical(names, sp.param, sp.shape, u.shard.dtype), lo)
+
+
+def _stage3_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
+    """One slot per segment of the units' shards (one group: the shards); placeholders bound first."""
+    strategy.bind_segments()
+    return _segment_slots(strategy, _stage3_pieces(strategy, names, rank))
 
 
 def _slots(strategy, module: nn.Module, *, load: bool) -> list[_Slot]:

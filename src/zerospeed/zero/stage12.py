@@ -3,9 +3,9 @@
 Layout (`partition.py`): every trainable parameter becomes a view into one flat buffer of Ψ
 elements (+ padding) in the parameter dtype, cut into K equal chunks; rank r owns shard r of each
 chunk, so its partition is the strided view `flat.view(K, L)[:, r*S:(r+1)*S]` ([K, S] elements,
-S = L / N). This rank's fp32 partition is `master` ([K, S]); the optimizer is built over its K rows
-(`master_params`, one contiguous [S] view per chunk), so the optimizer's per-step temporaries are
-chunk-sized: one [K, S] tensor made foreach AdamW allocate 4Ψ/N-byte temporaries every step, above
+S = L / N). This rank's fp32 partition is `master` ([K, S]); the optimizer steps its K rows (`master_params`,
+one contiguous [S] view per chunk; with several param groups each row is cut into per-group *segments*,
+`param_groups.py`), so the optimizer's per-step temporaries are chunk-sized: one [K, S] tensor made foreach AdamW allocate 4Ψ/N-byte temporaries every step, above
 glibc's 32 MiB mmap ceiling and so page-faulted anew each time (356 ms of an 11 s stage-2 step of
 the 85M GPT, profiled).
 - fp32: `master` *is* that strided view, so no copy exists and the update lands in the flat buffer;
@@ -37,6 +37,7 @@ from ..offload.optimizer import SwappedOptimizer
 from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from .data_parallel import ReducePhase
+from .param_groups import by_group, group_index, merge_segments, retarget, single_group
 from .partition import plan_flat_partition
 from .stage12_grads import Stage1Grads, Stage2Grads
 from .strategy import ZeroStrategy, _optimizer_state_bytes
@@ -68,8 +69,10 @@ class Stage12Strategy(ZeroStrategy):
 
     module: the model (already on its device, identical on every rank). params: its trainable
     parameters, deduplicated, in registration order; they become views into one flat buffer.
-    make_optimizer: callable(list of tensors) -> torch optimizer; it receives the K rows of this rank's
-    fp32 partition `master` ([K, S]; in fp32 a strided view of the flat buffer), [S] each. reduce_bucket_size /
+    optimizer: the user's torch optimizer over `params` (any param groups), or None; it is re-targeted
+    (`param_groups.retarget`) to this rank's fp32 partition `master` ([K, S]; in fp32 a strided view of
+    the flat buffer): per group, the segments of the K rows that hold its elements (one group: the
+    rows themselves, [S] each). reduce_bucket_size /
     allgather_bucket_size: elements; the chunk length L is at most the smaller of the two (0 = no
     all-gather limit) plus N - 1. average: divide the summed gradients by N (`gradient_allreduce_op`
     mean). predivide_factor: DeepSpeed's `gradient_predivide_factor`. policy: the mixed-precision
@@ -84,7 +87,7 @@ class Stage12Strategy(ZeroStrategy):
     Source: ZeRO, Rajbhandari et al. 2020, §5.1-5.2.
     """
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], make_optimizer, *, stage: int,
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], optimizer, *, stage: int,
                  group: dist.ProcessGroup | None, reduce_bucket_size: int, allgather_bucket_size: int = 0,
                  reduce_scatter: bool = True, allgather_partitions: bool = True, average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None,
@@ -118,20 +121,31 @@ class Stage12Strategy(ZeroStrategy):
         self.master_device = HOST if offload is not None and offload.policy.optimizer_on_host else device
         separate = policy.mixed or offload is not None and offload.policy.optimizer_on_host
         self.master = self._build_master(master_values or {}) if separate else self.own_params
+        group_of = group_index(optimizer, params, names) if optimizer is not None else [0] * len(params)
+        self.segments = merge_segments(((f.chunk, f.partition_offset - f.chunk * s,
+                                         f.partition_offset - f.chunk * s + f.numel, group_of[f.index])
+                                        for f in layout.fragments(self.rank)), [s] * layout.num_chunks)
         if offload is not None and offload.policy.optimizer == "nvme":
-            self.swapped = SwappedOptimizer(make_optimizer=make_optimizer, swap=offload.swaps["optimizer"],
+            self.swapped = SwappedOptimizer(make_optimizer=single_group(optimizer, "offload_optimizer.device=nvme"),
+                                            swap=offload.swaps["optimizer"],
                                             sub_group_size=offload.policy.sub_group_size,
                                             pipeline=offload.policy.pipeline, dtype=self.master.dtype,
                                             pin=offload.policy.pin_memory)
             self.swapped.add_master(self.master)
             self.master = None  # lives on NVMe now
-        self.master_params = list(self.master.unbind(0)) if self.master is not None else []
+        self.master_params = self._segment_tensors() if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
         self.grads = grads_cls(params, layout, names, group=group, rank=self.rank, average=average,
                                predivide=predivide_factor, logger=logger, dtype=dtype, device=device,
                                grad_dtype=policy.master_dtype if policy.mixed else None,
                                reduce_dtype=policy.reduce_dtype)
-        self.optimizer = self._build_optimizer(make_optimizer)
+        self.optimizer = self._build_optimizer(optimizer)
+
+    def _segment_tensors(self) -> list[torch.Tensor]:
+        """The tensor the optimizer steps for each segment: a whole master row, or a column range of it."""
+        rows = self.master.unbind(0)
+        s = self.layout.shard_numel
+        return [rows[g.source] if (g.start, g.end) == (0, s) else rows[g.source][g.start:g.end] for g in self.segments]
 
     def _build_master(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
         """fp32 [K, S]: this rank's fragments of every parameter, from the original values (zero padding)."""
@@ -146,37 +160,26 @@ class Stage12Strategy(ZeroStrategy):
                     src[f.param_offset:f.param_offset + f.numel])
         return master
 
-    def _build_optimizer(self, make_optimizer):
-        if make_optimizer is None:
+    def _build_optimizer(self, optimizer):
+        if optimizer is None:
             return None
-        try:
-            if self.swapped is not None:
-                return self.swapped.build()
-            opt = make_optimizer(list(self.master_params))
-        except Exception as exc:  # noqa: BLE001 - re-raised with the fix
-            raise TypeError(f"ZeRO stage {self.stage} builds the optimizer over this rank's flat fp32 "
-                            f"partition ({len(self.master_params)} rows of shape "
-                            f"{tuple(self.master.shape[1:])}), and that failed: "
-                            f"{type(exc).__name__}: {exc}. Pass optimizer= as a callable params -> optimizer, or "
-                            "describe it in the ds_config 'optimizer' block, instead of an optimizer object "
-                            "whose class cannot be rebuilt from (params, **defaults)") from exc
-        owned = [p for g in opt.param_groups for p in g["params"]]
-        if len(owned) != len(self.master_params) or any(a is not b for a, b in zip(owned, self.master_params)):
-            raise ValueError(f"the optimizer for ZeRO stage {self.stage} must optimize exactly the "
-                             f"{len(self.master_params)} tensors it is given (the rows of this rank's partition), "
-                             f"but it holds {len(owned)} other tensor(s); a callable optimizer must build over "
-                             "its params argument")
+        if self.swapped is not None:
+            return self.swapped.build()
+        retarget(optimizer, by_group(((g.group, t) for g, t in zip(self.segments, self.master_params)),
+                                     len(optimizer.param_groups)))
         self._attach_grad()
-        return opt
+        return optimizer
 
     def _attach_grad(self) -> None:
-        """Each master row's .grad: that row of the partition gradient (copied to the host first when the
+        """Each segment's .grad: its columns of the partition gradient (copied to the host first when the
         master lives there)."""
         g = self.grads.partition_grad
         if g is not None and g.device != self.master.device:
             g = g.to(self.master.device, non_blocking=True)
-        for c, row in enumerate(self.master_params):
-            row.grad = None if g is None else g[c]
+        s = self.layout.shard_numel
+        for seg, t in zip(self.segments, self.master_params):
+            t.grad = None if g is None else g[seg.source] if (seg.start, seg.end) == (0, s) else \
+                g[seg.source, seg.start:seg.end]
 
     # -- the ZeroStrategy protocol (call order: see strategy.py) --------------------------------------
     @property

@@ -35,6 +35,7 @@ from . import stage3_context as ctx
 from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
+from .param_groups import by_group, group_index, merge_segments, retarget, single_group
 from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
@@ -47,8 +48,11 @@ __all__ = ["Stage3Strategy", "ParameterNotGatheredError"]
 class Stage3Strategy(ZeroStrategy):
     """ZeRO-3 over `module` (fp32). Build with `from_config` (the factory does).
 
-    make_optimizer: builds the optimizer over the list of flat shards (one nn.Parameter
-    [shard_numel] per unit, `.grad` = the averaged gradient slice). group: the data-parallel group.
+    optimizer: the user's torch optimizer over the module's trainable parameters (any param groups), or
+    None; it is re-targeted (`param_groups.retarget`) to the units' flat fp32 shards (one nn.Parameter
+    [shard_numel] per unit, `.grad` = the averaged gradient slice), or, where a shard holds several
+    groups' elements, to per-group segments of it (placeholders bound to the shard's columns before
+    each step: the shard's storage moves while a unit is gathered). group: the data-parallel group.
     persistence_threshold / leaf_*: unit selection (`plan_units`). reduce_bucket_size: elements per
     gradient reduce-scatter: consecutive units' gradients share one until it holds this many (a unit
     larger than it goes alone; default DDP's 25 MiB of fp32, as stages 0-2). prefetch_bucket_size,
@@ -57,14 +61,14 @@ class Stage3Strategy(ZeroStrategy):
     sanity_checks: check every forward for not-gathered parameters (else until one forward passed).
     policy: the mixed-precision policy (the module already cast to its param_dtype). master_values:
     {id(param): original fp32 value} (parameters partitioned by zero.Init bring their own fp32 values).
-    `master_params`: the units' shards the optimizer updates (fp32 masters).
+    `master_params`: what the optimizer updates (fp32 masters: shards or segments), aligned with `segments`.
     Raises TypeError if a unit mixes dtypes or devices.
     """
 
     stage = 3
     reduce_every_micro_step = True  # gradients are reduce-scattered at every backward
 
-    def __init__(self, module: nn.Module, make_optimizer, *, group: dist.ProcessGroup | None,
+    def __init__(self, module: nn.Module, optimizer, *, group: dist.ProcessGroup | None,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
                  reduce_bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -84,7 +88,7 @@ class Stage3Strategy(ZeroStrategy):
                                 numel_of=lambda p: init.shape_of(p).numel())
         named = dict(module.named_parameters())
         self.offload = offload
-        self.swapped, self.param_swapper = self._build_offload(offload, make_optimizer, named)
+        self.swapped, self.param_swapper = self._build_offload(offload, optimizer, named)
         opol = offload.policy if offload is not None else None
         self.units: list[ShardedUnit] = []
         for i, plan in enumerate(self.plans):  # one unit at a time, so NVMe offload never holds them all
@@ -106,11 +110,12 @@ class Stage3Strategy(ZeroStrategy):
             if init.init_shard(p) is not None:
                 p.data = init.full_value(p).to(p.dtype, copy=True)
         if self.swapped is not None:
-            self.master_params = []  # on NVMe; the optimizer is keyed by the tiles
-            self.optimizer = self.swapped.build() if make_optimizer is not None else None
+            self.opt_units, self.segments, self.master_params = [], [], []  # on NVMe: keyed by the tiles
+            self.optimizer = self.swapped.build() if optimizer is not None else None
         else:
-            self.master_params = [u.shard for u in self.units if u.layout.padded]
-            self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
+            self._plan_segments(optimizer)
+            self.optimizer = None if optimizer is None else retarget(optimizer, by_group(
+                ((g.group, t) for g, t in zip(self.segments, self.master_params)), len(optimizer.param_groups)))
         self._phase = ReducePhase.IDLE
         self.scheduler = GatherScheduler(
             module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
@@ -125,13 +130,13 @@ class Stage3Strategy(ZeroStrategy):
                 self.add_external(m, p)
 
     @classmethod
-    def from_config(cls, module: nn.Module, make_optimizer, *, group, zero_cfg, average: bool = True,
+    def from_config(cls, module: nn.Module, optimizer, *, group, zero_cfg, average: bool = True,
                     predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                     policy: MixedPrecisionPolicy | None = None,
                     master_values: dict[int, torch.Tensor] | None = None, offload=None) -> Stage3Strategy:
         """Build from the validated `zero_optimization` section (its stage-3 knobs and `leaf_module`)."""
         leaf = zero_cfg.leaf_module
-        return cls(module, make_optimizer, group=group, offload=offload,
+        return cls(module, optimizer, group=group, offload=offload,
                    prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
                    max_live_parameters=int(zero_cfg.max_live_parameters),
                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
@@ -142,13 +147,50 @@ class Stage3Strategy(ZeroStrategy):
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
                    policy=policy, master_values=master_values)
 
-    def _build_offload(self, offload, make_optimizer, named):
+    def _plan_segments(self, optimizer) -> None:
+        """`segments` (per-group column ranges of each non-empty unit's shard; source = index into
+        `opt_units`) and `master_params`, the tensor the optimizer steps for each: the shard itself when
+        one group fills it, else a placeholder `bind_segments` points at the shard's columns."""
+        self.opt_units = [u for u in self.units if u.layout.padded]
+        sps = [sp for u in self.opt_units for sp in u.params]
+        group_of = dict(zip((id(sp) for sp in sps), group_index(optimizer, [sp.param for sp in sps],
+                                                                [sp.fqn for sp in sps]))) if optimizer else {}
+
+        def pieces():
+            for i, u in enumerate(self.opt_units):
+                first = u.layout.rank_range(self.rank)[0]
+                for sp in u.params:
+                    lo, hi = u.layout.param_shard_range(sp.index, self.rank)
+                    if hi > lo:
+                        yield i, sp.offset + lo - first, sp.offset + hi - first, group_of.get(id(sp), 0)
+        self.segments = merge_segments(pieces(), [u.layout.shard_numel for u in self.opt_units])
+        self.master_params = [self.opt_units[g.source].shard if g.numel == self.opt_units[g.source].layout.shard_numel
+                              else torch.empty(0, dtype=self.opt_units[g.source].shard.dtype) for g in self.segments]
+
+    def bind_segments(self) -> None:
+        """Point every segment placeholder (data and .grad) at its columns of its unit's shard, where the
+        shard's storage is now (own storage, or its slice of the gathered buffer)."""
+        for g, t in zip(self.segments, self.master_params):
+            shard = self.opt_units[g.source].shard
+            if t is not shard:
+                t.data = shard.detach()[g.start:g.end]
+                t.grad = None if shard.grad is None else shard.grad[g.start:g.end]
+
+    def unbind_segments(self) -> None:
+        """Drop the placeholders' views (so they keep no old shard storage or gradient alive)."""
+        for t in self.master_params:
+            if t.grad is not None or t.numel():
+                if not isinstance(t, nn.Parameter):
+                    t.data, t.grad = t.data.new_empty(0), None
+
+    def _build_offload(self, offload, optimizer, named):
         """(SwappedOptimizer | None, ParamSwapper | None) for NVMe offload of the masters / the shards."""
         if offload is None:
             return None, None
         pol, swapped, swapper = offload.policy, None, None
         if pol.optimizer == "nvme":
-            swapped = SwappedOptimizer(make_optimizer=make_optimizer, swap=offload.swaps["optimizer"],
+            swapped = SwappedOptimizer(make_optimizer=single_group(optimizer, "offload_optimizer.device=nvme"),
+                                       swap=offload.swaps["optimizer"],
                                        sub_group_size=pol.sub_group_size, pipeline=pol.pipeline,
                                        dtype=self.policy.master_dtype, pin=pol.pin_memory)
         if pol.param == "nvme":
@@ -269,7 +311,9 @@ class Stage3Strategy(ZeroStrategy):
                                torch.zeros(u.layout.shard_numel, dtype=u.master_dtype, device=u.shard.device)
                                for u in self._swapped_units], self._write_tile)
         else:
+            self.bind_segments()
             self.optimizer.step()
+            self.unbind_segments()
         for u in self.units:
             u.after_step(self.group, self.logger)
 

@@ -35,6 +35,7 @@ from ..comm.logger import CommsLogger
 from ..optim.clipping import clip_and_norm
 from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
 from .data_parallel import GradientAllReducer, ReducePhase
+from .param_groups import by_group, group_index, retarget
 
 
 class ZeroStrategy(abc.ABC):
@@ -141,8 +142,9 @@ def _nbytes(tensors) -> int:
 class DataParallelStrategy(ZeroStrategy):
     """Stage 0: every rank holds everything; gradients are all-reduced in buckets during backward.
 
-    params: trainable parameters (already in `policy.param_dtype`). make_optimizer: callable(list of
-    tensors) -> optimizer, or None (inference). group: the data-parallel process group. bucket_size:
+    params: trainable parameters (already in `policy.param_dtype`). optimizer: the user's optimizer
+    built over `params` (any param groups; re-targeted to the masters, `param_groups.retarget`), or
+    None (inference). group: the data-parallel process group. bucket_size:
     elements (`reduce_bucket_size`). policy: the MixedPrecisionPolicy (default fp32). names:
     parameter names for messages. master_values: {id(param): original fp32 tensor} from
     `MixedPrecisionPolicy.cast_module` (reused as the masters, so no precision is lost at init).
@@ -160,7 +162,8 @@ class DataParallelStrategy(ZeroStrategy):
 
     stage = 0
 
-    def __init__(self, params: list[torch.nn.Parameter], make_optimizer, *, group: dist.ProcessGroup | None,
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, *,
+                 group: dist.ProcessGroup | None,
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
                  logger: CommsLogger | None = None, policy: MixedPrecisionPolicy | None = None,
                  names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None):
@@ -180,7 +183,10 @@ class DataParallelStrategy(ZeroStrategy):
             self._link_master_grads()
         else:
             self.master_params = params
-        self.optimizer = make_optimizer(self.master_params) if make_optimizer is not None else None
+        self.optimizer = None
+        if optimizer is not None:  # each group steps the masters of its own parameters
+            groups = group_index(optimizer, params, self.names)
+            self.optimizer = retarget(optimizer, by_group(zip(groups, self.master_params), len(optimizer.param_groups)))
         self._phase = ReducePhase.IDLE
 
     @property
