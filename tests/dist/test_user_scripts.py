@@ -4,7 +4,8 @@
 2. Knowledge distillation: a stage-3 teacher engine without an optimizer (inference under no_grad) and
    a student engine (stage 2, stage 3) in the same process, student trained on KL(teacher || student).
 3. Evaluation under `engine.eval()` + `torch.no_grad()` at stage 3: no gathered parameter is left
-   behind, the eval loss is plain PyTorch's, and training continues correctly after `engine.train()`.
+   behind, the eval loss is plain PyTorch's, and training continues correctly after `engine.train()`
+   (also after the same evaluation without no_grad).
 Each compares per-step losses with plain single-process PyTorch on the same global batch (fp32).
 """
 import os
@@ -213,11 +214,18 @@ def eval_runs(rank, world):
     statuses = [u.status for u in engine.strategy.units]
     all_sharded = all(s is ParamStatus.SHARDED for s in statuses)
     module_training = engine.module.training
+    # the same evaluation without no_grad (a script that forgot it): same losses; the units a backward
+    # would reuse may stay gathered (bounded by stage3_max_live_parameters) until the next backward
+    grad_evals = [global_mean(engine(input_ids=mine(x, rank), labels=mine(x, rank)).loss)
+                  for x in batches(EVAL_BATCHES, seed=7)]
     engine.train()
     train(xs[2:])
+    end = engine.strategy.memory_breakdown()["params"]
+    end_sharded = all(u.status is ParamStatus.SHARDED for u in engine.strategy.units)
     engine.destroy()
     return {"losses": losses, "evals": evals, "before": before, "after": after, "all_sharded": all_sharded,
-            "statuses": [s.value for s in statuses], "eval_mode": not module_training}
+            "statuses": [s.value for s in statuses], "eval_mode": not module_training,
+            "grad_evals": grad_evals, "end": end, "end_sharded": end_sharded}
 
 
 def test_eval_under_no_grad_at_stage3_leaks_nothing():
@@ -235,4 +243,6 @@ def test_eval_under_no_grad_at_stage3_leaks_nothing():
     model.train()
     ref += reference_train(model, xs[2:], opt)
     assert max_rel_diff(r["evals"], ref_evals) < LOSS_TOL, (r["evals"], ref_evals)
+    assert max_rel_diff(r["grad_evals"], ref_evals) < LOSS_TOL, (r["grad_evals"], ref_evals)
+    assert r["end_sharded"] and r["end"] == r["before"], (r["before"], r["end"])
     assert max_rel_diff(r["losses"], ref) < LOSS_TOL, (r["losses"], ref)

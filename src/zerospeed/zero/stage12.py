@@ -140,6 +140,7 @@ class Stage12Strategy(ZeroStrategy):
                                grad_dtype=policy.master_dtype if policy.mixed else None,
                                reduce_dtype=policy.reduce_dtype)
         self.optimizer = self._build_optimizer(optimizer)
+        __import__("zerospeed.utils.tensor_fragment", fromlist=["_"]).register_strategy(self)  # safe_get_full_*
 
     def _segment_tensors(self) -> list[torch.Tensor]:
         """The tensor the optimizer steps for each segment: a whole master row, or a column range of it."""

@@ -188,6 +188,7 @@ class DataParallelStrategy(ZeroStrategy):
             groups = group_index(optimizer, params, self.names)
             self.optimizer = retarget(optimizer, by_group(zip(groups, self.master_params), len(optimizer.param_groups)))
         self._phase = ReducePhase.IDLE
+        __import__("zerospeed.utils.tensor_fragment", fromlist=["_"]).register_strategy(self)  # safe_get_full_*
 
     @property
     def phase(self) -> ReducePhase:
