@@ -1,7 +1,8 @@
 """Aggregate benchmark runs into table rows, the markdown table and the chart (used by bench_zero.py).
 
 A run is the dict a worker wrote plus what the parent added ("repeat", "load_avg", "wall_s").
-Rows are per (model, precision, system, stage): medians over the repeats.
+Rows are per (model, precision, param groups, system, stage): medians over the repeats. A run without
+"param_groups" (saved before issue 17) had one group with weight decay 0.0: it counts as 1.
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ def flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> 
     return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
 
 
+def groups_of(run_or_row: dict) -> int:
+    return run_or_row.get("param_groups", 1)
+
+
+def system_label(system: str, param_groups: int, show_groups: bool) -> str:
+    """The row label: 'zerospeed', or 'zerospeed (2 groups)' when the table holds both variants."""
+    return LABEL[system] + (f" ({param_groups} group{'s' if param_groups != 1 else ''})" if show_groups else "")
+
+
 def run_tokens_per_s(run: dict) -> float | None:
     if run.get("status") != "ok":
         return None
@@ -54,18 +64,20 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 def aggregate(runs: list[dict], *, peak_flops: float, model_shapes: dict[str, tuple[int, int, int]]) -> list[dict]:
-    """One row per (model, precision, system, stage), in first-seen order, with medians over repeats.
+    """One row per (model, precision, param groups, system, stage), in first-seen order, with medians
+    over repeats; Δloss and the ratios against DDP / DeepSpeed of the same param groups.
 
     model_shapes: model name -> (n_layer, d_model, seq_len) for the FLOP count.
     """
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["model"], r["precision"], r["system"], r["stage"]), []).append(r)
-    ddp = {(r["model"], r["precision"], r["repeat"]): r for r in runs
+        groups.setdefault((r["model"], r["precision"], groups_of(r), r["system"], r["stage"]), []).append(r)
+    ddp = {(r["model"], r["precision"], groups_of(r), r["repeat"]): r for r in runs
            if r["system"] == "ddp" and r.get("status") == "ok"}
     rows = []
-    for (model, precision, system, stage), rs in groups.items():
-        row = {"model": model, "precision": precision, "system": system, "stage": stage, "repeats": len(rs)}
+    for (model, precision, pg, system, stage), rs in groups.items():
+        row = {"model": model, "precision": precision, "param_groups": pg, "system": system, "stage": stage,
+               "repeats": len(rs)}
         ok = [r for r in rs if r.get("status") == "ok"]
         if not ok:
             row["status"] = rs[0].get("status", "error")
@@ -92,8 +104,8 @@ def aggregate(runs: list[dict], *, peak_flops: float, model_shapes: dict[str, tu
         eq = EQUIVALENT_STAGE.get(system, stage)
         row["formula_bytes"] = zero_formula_bytes(eq, precision, n_params, ok[0]["world_size"])
         row["launch_to_first_step_s"] = statistics.median(r["launch_to_first_step_s"] for r in ok)
-        diffs = [_max_abs_diff(r["losses"], ddp[(model, precision, r["repeat"])]["losses"])
-                 for r in ok if (model, precision, r["repeat"]) in ddp]
+        diffs = [_max_abs_diff(r["losses"], ddp[(model, precision, pg, r["repeat"])]["losses"])
+                 for r in ok if (model, precision, pg, r["repeat"]) in ddp]
         if system == "ddp":  # DDP against itself across repeats: its run-to-run nondeterminism
             ref = ok[0]["losses"]
             diffs = [_max_abs_diff(r["losses"], ref) for r in ok]
@@ -105,14 +117,16 @@ def aggregate(runs: list[dict], *, peak_flops: float, model_shapes: dict[str, tu
         row["mfu"] = achieved / (peak_flops * ok[0]["world_size"])
         row["final_loss"] = statistics.median(r["losses"][-1] for r in ok)
         rows.append(row)
-    by_key = {(r["model"], r["precision"], r["system"], r["stage"]): r for r in rows if r["status"] == "ok"}
+    by_key = {(r["model"], r["precision"], r["param_groups"], r["system"], r["stage"]): r
+              for r in rows if r["status"] == "ok"}
     for row in rows:
         if row["status"] != "ok":
             continue
-        d = next((v for (m, p, s, _), v in by_key.items() if (m, p, s) == (row["model"], row["precision"], "ddp")), None)
+        same = (row["model"], row["precision"], row["param_groups"])
+        d = next((v for (m, p, g, s, _), v in by_key.items() if (m, p, g, s) == (*same, "ddp")), None)
         row["ratio_ddp"] = row["tokens_per_s"] / d["tokens_per_s"] if d else None
         eq = EQUIVALENT_STAGE.get(row["system"], row["stage"])
-        ds = by_key.get((row["model"], row["precision"], "deepspeed", eq))
+        ds = by_key.get((*same, "deepspeed", eq))
         row["ratio_ds"] = row["tokens_per_s"] / ds["tokens_per_s"] if ds and row["system"] != "deepspeed" else None
     return rows
 
@@ -129,11 +143,13 @@ HEADER = ("| system | stage | precision | model | step s (wall / CPU) | tokens/s
           "| model states/rank (MiB) vs formula | max \\|Δloss\\| vs DDP | launch→first step (s) | MFU |")
 
 
-def markdown_table(rows: list[dict]) -> str:
+def markdown_table(rows: list[dict], by_groups: bool = False) -> str:
+    """The table; `by_groups`: label each system with its param groups (a table holding both)."""
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for r in rows:
         stage = "-" if r["system"] in EQUIVALENT_STAGE or r["stage"] < 0 else str(r["stage"])
-        head = f"| {LABEL[r['system']]} | {stage} | {r['precision']} | {r['model']} |"
+        label = system_label(r["system"], groups_of(r), by_groups and r["system"] != "all")
+        head = f"| {label} | {stage} | {r['precision']} | {r['model']} |"
         if r["status"] == "skipped":
             lines.append(f"{head} skipped: {r.get('message', '')} |" + " |" * 8)
             continue
@@ -156,6 +172,36 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+AB_HEADER = ("| system | stage | precision | model | tokens/s, 2 groups ÷ 1 group | per repeat (paired) | CPU s/step, "
+             "1 group ÷ 2 groups | model states/rank, MiB, 2 groups / 1 group | max \\|Δloss\\| vs DDP, 2 groups / "
+             "1 group |")
+
+
+def groups_ab_table(rows: list[dict], runs: list[dict]) -> str:
+    """2 groups against 1 group per (model, precision, system, stage): the ratio of the median tokens/s,
+    the ratios of the launches of the same repeat (run back to back), the ratio of the median CPU time
+    per step (below 1: 2 groups slower in both), the model states and Δloss of each."""
+    by = {(r["model"], r["precision"], r["system"], r["stage"], r["param_groups"]): r for r in rows
+          if r["status"] == "ok"}
+    tps = {(r["model"], r["precision"], r["system"], r["stage"], groups_of(r), r["repeat"]): run_tokens_per_s(r)
+           for r in runs if r.get("status") == "ok"}
+    lines = [AB_HEADER, "|" + "---|" * AB_HEADER.count(" | ") + "---|"]
+    for r2 in rows:
+        key = (r2["model"], r2["precision"], r2["system"], r2["stage"])
+        if r2["status"] != "ok" or groups_of(r2) != 2 or (*key, 1) not in by:
+            continue
+        r1 = by[(*key, 1)]
+        reps = sorted({k[-1] for k in tps if k[:4] == key})
+        paired = [tps[(*key, 2, i)] / tps[(*key, 1, i)] for i in reps if (*key, 2, i) in tps and (*key, 1, i) in tps]
+        stage = "-" if r2["system"] in EQUIVALENT_STAGE else str(r2["stage"])
+        lines.append(
+            f"| {LABEL[r2['system']]} | {stage} | {r2['precision']} | {r2['model']} | "
+            f"{r2['tokens_per_s'] / r1['tokens_per_s']:.3f} | {', '.join(f'{x:.3f}' for x in paired)} | "
+            f"{r1['cpu_s_median'] / r2['cpu_s_median']:.3f} | {r2['state_bytes'] / MiB:,.1f} / {r1['state_bytes'] / MiB:,.1f} | "
+            f"{_fmt(r2['max_dloss'], '.1e')} / {_fmt(r1['max_dloss'], '.1e')} |")
+    return "\n".join(lines)
+
+
 def chart(rows: list[dict], path: Path, title: str) -> Path | None:
     """Horizontal bars of tokens/s and peak RSS per rank, one pair of panels per (model, precision)."""
     try:
@@ -175,7 +221,9 @@ def chart(rows: list[dict], path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 0.45 * n_max * len(groups) + 1.5), squeeze=False)
     for (model, prec), (ax_t, ax_m) in zip(groups, axes):
         rs = [r for r in ok if (r["model"], r["precision"]) == (model, prec)]
-        labels = [LABEL[r["system"]] + ("" if r["system"] in EQUIVALENT_STAGE else f" stage {r['stage']}") for r in rs]
+        both = len({groups_of(r) for r in rs}) > 1
+        labels = [system_label(r["system"], groups_of(r), both)
+                  + ("" if r["system"] in EQUIVALENT_STAGE else f" stage {r['stage']}") for r in rs]
         ys = range(len(rs))
         c = [colors[r["system"]] for r in rs]
         tps = [r["tokens_per_s"] for r in rs]

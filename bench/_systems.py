@@ -4,8 +4,11 @@ A runner wraps one model for one system (DDP, FSDP2, DeepSpeed, zerospeed) at on
 precision. The worker (`_worker.py`) calls, per step: `forward_backward(x, y) -> loss` then
 `step()`; once, between the two on the last step, `state_bytes()` (what the rank holds now).
 
-Every system trains the same thing: AdamW(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), no
-gradient clipping, no LR schedule, gradient accumulation 1, loss averaged over the ranks.
+Every system trains the same thing: AdamW(lr, betas=(0.9, 0.999), eps=1e-8), no gradient clipping, no
+LR schedule, gradient accumulation 1, loss averaged over the ranks, over the same parameter groups
+(`param_groups`): by default (2) weight decay 0.1 on parameters with ndim >= 2 and 0.0 on the rest
+(biases, LayerNorm), HF Trainer's decay/no-decay split; with 1, the model's parameters as one group
+with weight decay 0.0 (the benchmark's setting before issue 17).
 """
 from __future__ import annotations
 
@@ -16,6 +19,23 @@ import torch.distributed as dist
 from torch import nn
 
 ADAM = {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+WEIGHT_DECAY = 0.1  # on the decay group (ndim >= 2) when param_groups == 2
+PARAM_GROUPS = (2, 1)
+
+
+def optimizer_groups(params, n_groups: int) -> list:
+    """What every system's optimizer is built over: with n_groups == 2, [{"params": ndim >= 2,
+    "weight_decay": WEIGHT_DECAY}, {"params": the rest, "weight_decay": 0.0}] (DTensors report their
+    global ndim, so FSDP2's sharded parameters split as the unsharded ones do); with 1, the parameter
+    list itself (one group, ADAM's weight_decay 0.0)."""
+    params = [p for p in params if p.requires_grad]
+    if n_groups == 1:
+        return params
+    if n_groups != 2:
+        raise ValueError(f"param_groups must be one of {PARAM_GROUPS}, not {n_groups}")
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
 
 # Objects whose attributes the tensor walker follows (everything else is a leaf or ignored).
 _WALK_PREFIXES = ("deepspeed", "zerospeed", "torch.optim", "torch.distributed.fsdp", "collections")
@@ -124,13 +144,14 @@ class DDPRunner:
 
     name = "DDP"
 
-    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int):
+    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int,
+                 param_groups: int = 2):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.model = DDP(model)
         self.params = list(model.parameters())
         self.bf16 = precision == "bf16"
-        self.optimizer = torch.optim.AdamW(self.params, **ADAM)
+        self.optimizer = torch.optim.AdamW(optimizer_groups(self.params, param_groups), **ADAM)
 
     def forward_backward(self, x, y):
         if self.bf16:
@@ -170,7 +191,8 @@ class FSDP2Runner:
 
     name = "FSDP2"
 
-    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int):
+    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int,
+                 param_groups: int = 2):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -181,8 +203,8 @@ class FSDP2Runner:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         self.model = model
-        self.params = list(model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, **ADAM)
+        self.params = list(model.parameters())  # the sharded DTensor parameters
+        self.optimizer = torch.optim.AdamW(optimizer_groups(self.params, param_groups), **ADAM)
 
     def forward_backward(self, x, y):
         loss = self.model(x, y)
@@ -231,7 +253,8 @@ class _EngineRunner:
 class DeepSpeedRunner(_EngineRunner):
     name = "DeepSpeed"
 
-    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int):
+    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int,
+                 param_groups: int = 2):
         import logging
 
         import deepspeed
@@ -239,8 +262,8 @@ class DeepSpeedRunner(_EngineRunner):
         deepspeed.utils.logger.setLevel(logging.WARNING)
         cfg = _ds_config(stage=stage, precision=precision, micro_batch=micro_batch, world_size=world_size,
                          deepspeed=True)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                                 config=cfg)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=optimizer_groups(model.parameters(), param_groups), config=cfg)
 
     def state_bytes(self) -> dict[str, int]:
         held = HeldTensors()
@@ -262,13 +285,14 @@ class DeepSpeedRunner(_EngineRunner):
 class ZeroSpeedRunner(_EngineRunner):
     name = "zerospeed"
 
-    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int):
+    def __init__(self, model: nn.Module, *, stage: int, precision: str, micro_batch: int, world_size: int,
+                 param_groups: int = 2):
         import zerospeed
 
         cfg = _ds_config(stage=stage, precision=precision, micro_batch=micro_batch, world_size=world_size,
                          deepspeed=False)
-        self.engine, self.optimizer, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(),
-                                                                 config=cfg)
+        self.engine, self.optimizer, _, _ = zerospeed.initialize(
+            model=model, model_parameters=optimizer_groups(model.parameters(), param_groups), config=cfg)
 
     def state_bytes(self) -> dict[str, int]:
         out = dict(self.engine.memory_breakdown())

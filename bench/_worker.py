@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/_worker.py \
         --system zerospeed --stage 2 --precision fp32 --model small --steps 6 --warmup 2 \
-        --data batches.pt --result out.json --launch-time <time.time() before the launch>
+        --param-groups 2 --data batches.pt --result out.json --launch-time <time.time() before the launch>
 
 Trains `warmup + steps` steps on the pre-sampled batches of its rank, then rank 0 writes one JSON
 object: status ("ok" | "not_implemented" | "error"), per-step losses (mean over ranks), per-step
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _systems import RUNNERS, all_gather_floats, state_total  # noqa: E402
+from _systems import PARAM_GROUPS, RUNNERS, all_gather_floats, state_total  # noqa: E402
 
 from zerospeed.testing.models import GPT, GPT_SIZES  # noqa: E402
 
@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--param-groups", type=int, choices=PARAM_GROUPS, default=2,
+                   help="2: weight decay 0.1 on ndim >= 2, 0.0 on the rest; 1: one group, weight decay 0.0")
     p.add_argument("--data", required=True, help="batches file written by bench_zero.py")
     p.add_argument("--result", required=True, help="JSON file rank 0 writes")
     p.add_argument("--launch-time", type=float, default=None, help="time.time() when the launcher was started")
@@ -69,7 +71,7 @@ def run(args, rank: int, world: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     t_setup = time.perf_counter()
     runner = RUNNERS[args.system](model, stage=args.stage, precision=args.precision,
-                                  micro_batch=args.micro_batch, world_size=world)
+                                  micro_batch=args.micro_batch, world_size=world, param_groups=args.param_groups)
     setup_s = time.perf_counter() - t_setup
 
     total = args.warmup + args.steps
@@ -124,6 +126,8 @@ def run(args, rank: int, world: int) -> dict:
         "launch_to_first_step_s": max(r[2] for r in per_rank),
         "process_to_first_step_s": max(r[3] for r in per_rank),
         "setup_s": max(r[4] for r in per_rank),
+        # the groups as the stepping optimizer holds them (DeepSpeed's and zerospeed's re-targeted ones)
+        "optimizer_weight_decay": [g.get("weight_decay") for g in runner.optimizer.param_groups],
     }
 
 
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     meta = {"system": args.system, "stage": args.stage, "precision": args.precision, "model": args.model,
             "world_size": world, "steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch,
-            "seq_len": GPT_SIZES[args.model].seq_len, "torch": torch.__version__}
+            "param_groups": args.param_groups, "seq_len": GPT_SIZES[args.model].seq_len, "torch": torch.__version__}
     if args.system == "zerospeed":
         import zerospeed
 

@@ -3,8 +3,13 @@
     python bench/bench_zero.py                                   # everything (see bench/README.md)
     python bench/bench_zero.py --models small --steps 6 --warmup 2
     python bench/bench_zero.py --systems ddp,zerospeed --stages 0,1 --precisions fp32 --repeats 3
+    python bench/bench_zero.py --models small --precisions fp32 --param-groups 2,1 --repeats 2   # A/B
 
-Each (system, stage, precision, model, repeat) is its own torchrun launch
+Every system's AdamW runs over the same parameter groups: by default (`--param-groups 2`) weight decay
+0.1 on parameters with ndim >= 2, 0.0 on the rest (HF Trainer's decay/no-decay split, what users run);
+`--param-groups 1`: one group, weight decay 0.0 (the table before issue 17); `2,1`: both, interleaved.
+
+Each (system, stage, precision, model, param groups, repeat) is its own torchrun launch
 (`python -m torch.distributed.run --standalone --nproc-per-node N bench/_worker.py ...`,
 OMP_NUM_THREADS=1), run one after another. Repeats are interleaved: every system runs once before
 any runs again, and each repeat starts one system later, so slow phases of a shared machine spread
@@ -31,7 +36,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _report import EQUIVALENT_STAGE, LABEL, ORDER, aggregate, chart, markdown_table, run_tokens_per_s  # noqa: E402
+from _report import (EQUIVALENT_STAGE, ORDER, aggregate, chart, groups_ab_table, markdown_table,  # noqa: E402
+                     run_tokens_per_s, system_label)
+from _systems import PARAM_GROUPS, WEIGHT_DECAY  # noqa: E402
 
 from zerospeed.demo.data import load_corpus, sample_batch, split_corpus  # noqa: E402
 from zerospeed.profiling.peak import measure_matmul_peak_flops  # noqa: E402
@@ -65,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "name bf16 explicitly to run it anyway)")
     p.add_argument("--models", type=_csv(("demo", "small", "base")), default=["small", "base"],
                    help="comma list of testing.models.GPT_SIZES: demo (1.85M, the demo job's; issue 3), small (10.8M), base (85M)")
+    p.add_argument("--param-groups", type=_csv(PARAM_GROUPS), default=[2],
+                   help="the optimizer's parameter groups, in every system: 2 = weight decay 0.1 on ndim >= 2 and "
+                        "0.0 on biases/LayerNorm (default, HF Trainer's split), 1 = one group with weight decay 0.0 "
+                        "(the single-group table); '2,1' runs both for every configuration, back to back "
+                        "(alternating which goes first), for an A/B table")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (at least 1)")
     p.add_argument("--repeats", type=int, default=1, help="launches per configuration, interleaved")
@@ -183,7 +195,8 @@ def zerospeed_source(ref: str | None, dest: Path) -> tuple[str | None, str]:
 def run_all(args, logs: Path, data: Path, configs, total_steps: int,
             pythonpath: str | None = None, before_pythonpath: str | None = None) -> tuple[list[dict], bool]:
     """Launch every configuration (interleaved repeats); returns (runs, interrupted)."""
-    runs, k, n_runs = [], 0, len(args.models) * len(args.precisions) * args.repeats * len(configs)
+    pgs = args.param_groups
+    runs, k, n_runs = [], 0, len(args.models) * len(args.precisions) * args.repeats * len(configs) * len(pgs)
     try:
         for model in args.models:
             seq = GPT_SIZES[model].seq_len
@@ -192,16 +205,19 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
                     (15 if precision == "bf16" else 1)
                 for rep in range(args.repeats):
                     order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-                    for system, stage in order:
+                    # A/B: the variants of one configuration back to back, the first one alternating by repeat
+                    order = [(system, stage, pg) for system, stage in order
+                             for pg in (pgs if rep % 2 == 0 else pgs[::-1])]
+                    for system, stage, pg in order:
                         k += 1
-                        name = f"{model}_{precision}_{system}_s{stage}_r{rep}"
+                        name = f"{model}_{precision}_{system}_s{stage}_g{pg}_r{rep}"
                         result = data.parent / f"{name}.json"
                         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node", str(args.world_size), str(HERE / "_worker.py"),
                                "--system", "zerospeed" if system == "zerospeed_before" else system, "--stage", str(stage), "--precision", precision,
                                "--model", model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                                "--micro-batch", str(args.micro_batch), "--seed", str(args.seed),
-                               "--data", str(data), "--result", str(result), "--launch-time", str(time.time())]
+                               "--param-groups", str(pg), "--data", str(data), "--result", str(result), "--launch-time", str(time.time())]
                         if args.profile:
                             cmd += ["--profile", str(logs / f"{name}.profile.txt")]
                         load = os.getloadavg()[0]
@@ -213,13 +229,14 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
                         else:
                             why = "timed out" if code is None else f"exit code {code}"
                             run = {"system": system, "stage": stage, "precision": precision, "model": model,
-                                   "status": "error", "message": f"{why}: {_log_tail(logs / f'{name}.log')}"}
+                                   "param_groups": pg, "status": "error", "message": f"{why}: {_log_tail(logs / f'{name}.log')}"}
                         run.update(repeat=rep, load_avg_1min=load, wall_s=wall, seq_len=run.get("seq_len", seq))
                         runs.append(run)
                         tps = run_tokens_per_s(run)
                         what = f"{tps:,.0f} tokens/s" if tps else run["status"] + ": " + run.get("message", "")[:120]
                         stage_txt = "" if system in EQUIVALENT_STAGE else f" stage {stage}"
-                        print(f"[{k}/{n_runs}] {LABEL[system]}{stage_txt} {precision} {model} repeat {rep + 1}: "
+                        print(f"[{k}/{n_runs}] {system_label(system, pg, len(pgs) > 1)}{stage_txt} {precision} {model} "
+                              f"repeat {rep + 1}: "
                               f"{what} ({wall:.0f} s, load {load:.1f})", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("bench_zero: interrupted; reporting the runs finished so far", file=sys.stderr)
@@ -227,13 +244,16 @@ def run_all(args, logs: Path, data: Path, configs, total_steps: int,
     return runs, False
 
 
+PG_TEXT = {2: f"2: weight decay {WEIGHT_DECAY} on ndim >= 2, 0.0 on the rest", 1: "1: one group, weight decay 0.0"}
+assert set(PG_TEXT) == set(PARAM_GROUPS)
+
 NOTES = ("Stage '-': DDP holds what ZeRO stage 0 holds, FSDP2 what stage 3 holds; they are compared with those "
          "formulas and with DeepSpeed at those stages. tokens/s = global tokens per step / median step wall time "
          "(slowest rank); CPU = process CPU time per step (all threads), less sensitive to other jobs on the "
          "machine. Model states are measured after the last backward, before its optimizer step; '+ N buffers' = "
          "communication buckets allocated besides them (DeepSpeed's ipg buckets, allocated but mostly untouched, "
          "so not in RSS); DDP's own reducer buckets are not visible and not counted. max |Δloss|: over every "
-         "step, against DDP of the same precision and repeat (DDP row: across its repeats; none for 'DDP, no "
+         "step, against DDP of the same precision, param groups and repeat (DDP row: across its repeats; none for 'DDP, no "
          "all-reduce', whose ranks train apart: it is the compute floor, for the share of communication). "
          "MFU: (6Ψ + 12·L·d·T) FLOPs per token x tokens/s / (matmul peak per thread x world size).")
 
@@ -244,6 +264,7 @@ def report(saved: dict, base: Path) -> str:
     peak_flops = max(peak.values())
     shapes = {m: (c.n_layer, c.d_model, c.seq_len) for m, c in GPT_SIZES.items()}
     rows = aggregate(runs, peak_flops=peak_flops, model_shapes=shapes)
+    pgs = args.get("param_groups", [1])  # runs saved before the flag: one group, weight decay 0.0
     for model in args["models"]:
         for precision in saved.get("skipped_precisions", []):  # one row for every system
             rows.append({"model": model, "precision": precision, "system": "all", "stage": -1,
@@ -251,22 +272,28 @@ def report(saved: dict, base: Path) -> str:
         for precision in args["precisions"]:
             for system, stage in saved.get("configs", []):
                 if system == "deepspeed" and not saved.get("has_deepspeed"):
-                    rows.append({"model": model, "precision": precision, "system": system, "stage": stage,
-                                 "status": "skipped", "message": "deepspeed not importable"})
+                    rows.extend({"model": model, "precision": precision, "system": system, "stage": stage,
+                                 "param_groups": pg, "status": "skipped", "message": "deepspeed not importable"}
+                                for pg in pgs)
     rows.sort(key=lambda r: (list(GPT_SIZES).index(r["model"]), ("fp32", "bf16").index(r["precision"]),
-                             ORDER.index(r["system"]), r["stage"]))
+                             ORDER.index(r["system"]), r["stage"], -r.get("param_groups", 1)))
     loads = [r["load_avg_1min"] for r in runs]
     ds_version = next((r["deepspeed"] for r in runs if "deepspeed" in r), None)
     header = (f"bench_zero {saved['stamp']}: world size {args['world_size']} (gloo, 1 thread per rank), micro-batch "
               f"{args['micro_batch']} x seq {'/'.join(str(GPT_SIZES[m].seq_len) for m in args['models'])} "
               f"({'/'.join(args['models'])}) per rank, {args['warmup']} warm-up + "
-              f"{args['steps']} timed steps, {args['repeats']} repeat(s) (medians), AdamW lr 3e-4, no clipping; "
+              f"{args['steps']} timed steps, {args['repeats']} repeat(s) (medians), AdamW lr 3e-4, no clipping, "
+              f"param groups {'/'.join(map(str, pgs))} ({' / '.join(PG_TEXT[g] for g in pgs)}); "
               f"torch {saved.get('torch')}, deepspeed {ds_version or 'n/a'}, {saved.get('cpu')}; matmul peak "
               f"{peak['fp32'] / 1e9:.1f} GFLOP/s fp32 and {peak['bf16'] / 1e9:.2f} GFLOP/s bf16 per thread (MFU "
               f"against {peak_flops / 1e9:.1f} x {args['world_size']}); 1-min load average "
               f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} during the runs; "
               f"{saved['elapsed_s'] / 60:.1f} min in all. zerospeed: {saved.get('zerospeed_source')}.")
-    md = f"{header}\n\n{markdown_table(rows)}\n\n{NOTES}\n"
+    md = f"{header}\n\n{markdown_table(rows, by_groups=len(pgs) > 1)}\n\n{NOTES}\n"
+    if len(pgs) > 1:
+        md += (f"\n{groups_ab_table(rows, runs)}\n\n2 groups against 1 group, same system and stage: medians "
+               "over repeats; 'per repeat' = the two launches of one repeat, run back to back; below 1 = slower with "
+               "2 groups (tokens/s from wall time; CPU from process CPU time per step, less sensitive to load).\n")
     if saved.get("interrupted"):
         md += "\nInterrupted: incomplete.\n"
     png = chart(rows, base.with_suffix(".png"), f"bench_zero {saved['stamp']}, world size {args['world_size']}, "
