@@ -215,7 +215,9 @@ def test_build_under_init_peaks_well_under_the_full_model(results):
         held, expected = m["held"]
         assert held == expected and 4 * held <= 0.5 * m["full_bytes"] + 4 * 2 * 64  # half, plus padding
         # ~ half the model (this rank's slices) + about one module; a plain build holds all of it
-        assert m["init_peak"] < 0.65 * m["full_bytes"] and m["plain_peak"] > 0.9 * m["full_bytes"], m
+        # (the plain build's growth is measured after the Init build freed its memory, part of which the
+        # allocator hands back without new RSS: 0.97 of the model on a quiet machine, 0.89 seen under load)
+        assert m["init_peak"] < 0.65 * m["full_bytes"] and m["plain_peak"] > 0.8 * m["full_bytes"], m
 
 
 def test_init_creates_the_process_group_when_none_exists(monkeypatch):

@@ -42,6 +42,7 @@ class _Tile:
     param: nn.Parameter      # placeholder the optimizer is keyed by; bound to a buffer while stepping
     key: str
     states: list[str] = field(default_factory=list)  # names of its elementwise states on disk
+    group: int = 0           # the optimizer param group its elements belong to
 
     @property
     def numel(self) -> int:
@@ -51,7 +52,9 @@ class _Tile:
 class SwappedOptimizer:
     """The optimizer over masters kept in `swap` (a `SwapSpace`).
 
-    make_optimizer: callable(list of tensors) -> torch optimizer (the config's or the client's).
+    make_optimizer: callable(params) -> torch optimizer (the config's or the client's); params is the
+    list of tile placeholders, or with `num_groups` > 1 one param-group dict {"params": [...]} per
+    group (tiles never cross a group's range: `add_master(ranges=...)`).
     sub_group_size: elements per tile (at least one row of a master). pipeline: overlap reads and
     writes with the step (two buffer sets instead of one). dtype: the masters' dtype (fp32).
     Usage: `add_master(values)` for each master (written to disk; the caller frees its copy), then
@@ -61,8 +64,9 @@ class SwappedOptimizer:
     """
 
     def __init__(self, *, make_optimizer: Callable, swap: SwapSpace, sub_group_size: int, pipeline: bool = False,
-                 dtype: torch.dtype = torch.float32, pin: bool = False):
+                 dtype: torch.dtype = torch.float32, pin: bool = False, num_groups: int = 1):
         self.make_optimizer, self.swap, self.pipeline, self.dtype, self.pin = make_optimizer, swap, pipeline, dtype, pin
+        self.num_groups = num_groups
         self.sub_group_size = max(1, int(sub_group_size))
         self.tiles: list[_Tile] = []
         self.master_shapes: list[torch.Size] = []
@@ -72,32 +76,45 @@ class SwappedOptimizer:
         self._nstates: int | None = None  # elementwise states per tile, known after the first step
 
     # -- building -------------------------------------------------------------------------------
-    def add_master(self, values: torch.Tensor) -> int:
+    def add_master(self, values: torch.Tensor, ranges: list[tuple[int, int, int]] | None = None) -> int:
         """Cut `values` (a master with its initial values, any device) into tiles along dim 0 and write
-        them to disk; returns the master's index. Raises ValueError for a 0-d tensor."""
+        them to disk; returns the master's index. ranges: (start, end, group) along dim 0, in order,
+        covering it exactly (default: all of it in group 0); no tile crosses a range. Raises ValueError
+        for a 0-d tensor or ranges that do not tile dim 0."""
         if values.dim() == 0:
             raise ValueError("a swapped master must have at least one dimension")
+        ranges = ranges or [(0, values.shape[0], 0)]
+        if [r[0] for r in ranges[1:]] != [r[1] for r in ranges[:-1]] or ranges[0][0] != 0 or \
+                ranges[-1][1] != values.shape[0]:
+            raise ValueError(f"ranges {ranges} do not tile dim 0 of a master of shape {tuple(values.shape)}")
         m = len(self.master_shapes)
         self.master_shapes.append(values.shape)
         row = math.prod(values.shape[1:])
         per = max(1, self.sub_group_size // max(row, 1))
         staging = None
-        for start in range(0, values.shape[0], per):
-            end = min(start + per, values.shape[0])
-            shape = torch.Size((end - start, *values.shape[1:]))
-            tile = _Tile(m, (start, end), shape, nn.Parameter(self._placeholder), f"opt_m{m}_r{start}")
-            self.tiles.append(tile)
-            if staging is None or staging.numel() < shape.numel():
-                staging = aligned_empty(aligned_numel(shape.numel(), self.dtype), self.dtype)
-            buf = staging[:shape.numel()]
-            buf.copy_(values[start:end].reshape(-1))
-            self.swap.write(tile.key, buf).wait()
+        for lo, hi, group in ranges:
+            for start in range(lo, hi, per):
+                end = min(start + per, hi)
+                shape = torch.Size((end - start, *values.shape[1:]))
+                tile = _Tile(m, (start, end), shape, nn.Parameter(self._placeholder), f"opt_m{m}_r{start}",
+                             group=group)
+                self.tiles.append(tile)
+                if staging is None or staging.numel() < shape.numel():
+                    staging = aligned_empty(aligned_numel(shape.numel(), self.dtype), self.dtype)
+                buf = staging[:shape.numel()]
+                buf.copy_(values[start:end].reshape(-1))
+                self.swap.write(tile.key, buf).wait()
         return m
 
     def build(self) -> torch.optim.Optimizer:
         """Build the torch optimizer over the tiles' placeholders (call after every add_master)."""
-        params = [t.param for t in self.tiles]
-        self.optimizer = self.make_optimizer(params)
+        if self.num_groups == 1:
+            params = [t.param for t in self.tiles]
+            self.optimizer = self.make_optimizer(params)
+        else:
+            groups = [[t.param for t in self.tiles if t.group == g] for g in range(self.num_groups)]
+            params = [p for g in groups for p in g]
+            self.optimizer = self.make_optimizer([{"params": g} for g in groups])
         owned = [p for g in self.optimizer.param_groups for p in g["params"]]
         if len(owned) != len(params) or any(a is not b for a, b in zip(owned, params)):
             raise ValueError("with offload_optimizer.device=nvme the optimizer must be built over exactly the "

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["Segment", "by_group", "check_optimizer_params", "group_index", "merge_segments", "retarget", "single_group"]
+__all__ = ["Segment", "by_group", "check_optimizer_params", "group_index", "merge_segments", "retarget", "swapped_builder"]
 
 
 @dataclass(frozen=True)
@@ -119,17 +119,18 @@ def retarget(optimizer: torch.optim.Optimizer, tensors: Sequence[Sequence[torch.
     return optimizer
 
 
-def single_group(optimizer: torch.optim.Optimizer | None, feature: str):
-    """For a path that steps tensors it makes itself (the NVMe optimizer tier's tiles): a callable
-    tensors -> `optimizer` re-targeted to them as its one group; None without an optimizer.
-    Raises NotImplementedError if the optimizer has several param groups."""
+def swapped_builder(optimizer: torch.optim.Optimizer | None):
+    """`make_optimizer` for the NVMe optimizer tier (`offload.SwappedOptimizer`), which steps placeholders
+    it makes itself (one per tile, each tile inside one group's range): re-targets `optimizer` to them,
+    group by group. None without an optimizer."""
     if optimizer is None:
         return None
-    if len(optimizer.param_groups) > 1:
-        raise NotImplementedError(
-            f"{feature} with {len(optimizer.param_groups)} optimizer param groups is not supported yet: its tiles "
-            "hold one group's hyperparameters. Use offload_optimizer.device=\"cpu\", or one param group")
-    return lambda tensors: retarget(optimizer, [list(tensors)])
+
+    def build(params):
+        if params and isinstance(params[0], dict):  # one dict per group (num_groups > 1)
+            return retarget(optimizer, [d["params"] for d in params])
+        return retarget(optimizer, [list(params)])
+    return build
 
 
 def by_group(items: Iterable[tuple[int, torch.Tensor]], num_groups: int) -> list[list[torch.Tensor]]:

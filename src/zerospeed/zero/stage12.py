@@ -37,7 +37,7 @@ from ..offload.optimizer import SwappedOptimizer
 from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from .data_parallel import ReducePhase
-from .param_groups import by_group, group_index, merge_segments, retarget, single_group
+from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .partition import plan_flat_partition
 from .stage12_grads import Stage1Grads, Stage2Grads
 from .strategy import ZeroStrategy, _optimizer_state_bytes
@@ -126,12 +126,18 @@ class Stage12Strategy(ZeroStrategy):
                                          f.partition_offset - f.chunk * s + f.numel, group_of[f.index])
                                         for f in layout.fragments(self.rank)), [s] * layout.num_chunks)
         if offload is not None and offload.policy.optimizer == "nvme":
-            self.swapped = SwappedOptimizer(make_optimizer=single_group(optimizer, "offload_optimizer.device=nvme"),
+            groups = len(optimizer.param_groups) if optimizer is not None else 1
+            self.swapped = SwappedOptimizer(make_optimizer=swapped_builder(optimizer),
                                             swap=offload.swaps["optimizer"],
                                             sub_group_size=offload.policy.sub_group_size,
                                             pipeline=offload.policy.pipeline, dtype=self.master.dtype,
-                                            pin=offload.policy.pin_memory)
-            self.swapped.add_master(self.master)
+                                            pin=offload.policy.pin_memory, num_groups=groups)
+            # one group: tiles of whole partition rows; several: the flat partition cut at every segment
+            self._swap_flat = groups > 1
+            if self._swap_flat:
+                self.swapped.add_master(self.master.reshape(-1), ranges=self._flat_ranges())
+            else:
+                self.swapped.add_master(self.master)
             self.master = None  # lives on NVMe now
         self.master_params = self._segment_tensors() if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
@@ -141,6 +147,15 @@ class Stage12Strategy(ZeroStrategy):
                                reduce_dtype=policy.reduce_dtype)
         self.optimizer = self._build_optimizer(optimizer)
         __import__("zerospeed.utils.tensor_fragment", fromlist=["_"]).register_strategy(self)  # safe_get_full_*
+
+    def _flat_ranges(self) -> list[tuple[int, int, int]]:
+        """(start, end, group) over the flattened [K * S] partition: each row's segments, or the whole
+        row in group 0 where the row is only padding; every range lies inside one row."""
+        s, out = self.layout.shard_numel, []
+        for c in range(self.layout.num_chunks):
+            row = [(c * s + g.start, c * s + g.end, g.group) for g in self.segments if g.source == c]
+            out += row or [(c * s, (c + 1) * s, 0)]
+        return out
 
     def _segment_tensors(self) -> list[torch.Tensor]:
         """The tensor the optimizer steps for each segment: a whole master row, or a column range of it."""
@@ -235,9 +250,15 @@ class Stage12Strategy(ZeroStrategy):
             return
         self.grads.materialize()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in this rank's shard of flat
-            own = self.own_params
-            self.swapped.step([self.grads.partition_grad],
-                              lambda m, rows, values: own[rows[0]:rows[1]].copy_(values, non_blocking=True))
+            own, s = self.own_params, self.layout.shard_numel
+            if self._swap_flat:  # a tile is a column range of one row
+                def write(m, rows, values):
+                    c, a = divmod(rows[0], s)
+                    own[c, a:a + rows[1] - rows[0]].copy_(values, non_blocking=True)
+                self.swapped.step([self.grads.partition_grad.reshape(-1)], write)
+            else:
+                self.swapped.step([self.grads.partition_grad],
+                                  lambda m, rows, values: own[rows[0]:rows[1]].copy_(values, non_blocking=True))
             self.all_gather_params()
             return
         self._attach_grad()

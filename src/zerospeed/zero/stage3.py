@@ -35,7 +35,7 @@ from . import stage3_context as ctx
 from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
-from .param_groups import by_group, group_index, merge_segments, retarget, single_group
+from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
@@ -89,6 +89,9 @@ class Stage3Strategy(ZeroStrategy):
         named = dict(module.named_parameters())
         self.offload = offload
         self.swapped, self.param_swapper = self._build_offload(offload, optimizer, named)
+        trainable = [(named[n], n) for plan in self.plans for n in plan.params]
+        self._group_of = dict(zip((id(p) for p, _ in trainable), group_index(
+            optimizer, [p for p, _ in trainable], [n for _, n in trainable]))) if optimizer is not None else {}
         opol = offload.policy if offload is not None else None
         self.units: list[ShardedUnit] = []
         for i, plan in enumerate(self.plans):  # one unit at a time, so NVMe offload never holds them all
@@ -99,8 +102,11 @@ class Stage3Strategy(ZeroStrategy):
                             master_device=HOST if opol is not None and opol.optimizer_on_host else None,
                             param_device=HOST if opol is not None and opol.param == "cpu" else None,
                             param_swapper=self.param_swapper)
-            if self.swapped is not None and u.layout.padded:  # the master goes to NVMe right away
-                u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach())
+            if self.swapped is not None and u.layout.padded:  # the master goes to NVMe right away, cut by group
+                ranges = [(g.start, g.end, g.group) for g in merge_segments(self._unit_pieces(0, u),
+                                                                            [u.layout.shard_numel])]
+                u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach(),
+                                                                                       ranges=ranges or None)
                 u.shard.untyped_storage().resize_(0)
             self.units.append(u)
         self._swapped_units = [u for u in self.units if u.master_store is not None]
@@ -152,20 +158,18 @@ class Stage3Strategy(ZeroStrategy):
         `opt_units`) and `master_params`, the tensor the optimizer steps for each: the shard itself when
         one group fills it, else a placeholder `bind_segments` points at the shard's columns."""
         self.opt_units = [u for u in self.units if u.layout.padded]
-        sps = [sp for u in self.opt_units for sp in u.params]
-        group_of = dict(zip((id(sp) for sp in sps), group_index(optimizer, [sp.param for sp in sps],
-                                                                [sp.fqn for sp in sps]))) if optimizer else {}
-
-        def pieces():
-            for i, u in enumerate(self.opt_units):
-                first = u.layout.rank_range(self.rank)[0]
-                for sp in u.params:
-                    lo, hi = u.layout.param_shard_range(sp.index, self.rank)
-                    if hi > lo:
-                        yield i, sp.offset + lo - first, sp.offset + hi - first, group_of.get(id(sp), 0)
-        self.segments = merge_segments(pieces(), [u.layout.shard_numel for u in self.opt_units])
+        self.segments = merge_segments((piece for i, u in enumerate(self.opt_units) for piece in self._unit_pieces(i, u)),
+                                       [u.layout.shard_numel for u in self.opt_units])
         self.master_params = [self.opt_units[g.source].shard if g.numel == self.opt_units[g.source].layout.shard_numel
                               else torch.empty(0, dtype=self.opt_units[g.source].shard.dtype) for g in self.segments]
+
+    def _unit_pieces(self, source: int, u: ShardedUnit):
+        """(source, start, end, group) of each parameter fragment in this rank's shard of unit `u`."""
+        first = u.layout.rank_range(self.rank)[0]
+        for sp in u.params:
+            lo, hi = u.layout.param_shard_range(sp.index, self.rank)
+            if hi > lo:
+                yield source, sp.offset + lo - first, sp.offset + hi - first, self._group_of.get(id(sp.param), 0)
 
     def bind_segments(self) -> None:
         """Point every segment placeholder (data and .grad) at its columns of its unit's shard, where the
@@ -189,8 +193,8 @@ class Stage3Strategy(ZeroStrategy):
             return None, None
         pol, swapped, swapper = offload.policy, None, None
         if pol.optimizer == "nvme":
-            swapped = SwappedOptimizer(make_optimizer=single_group(optimizer, "offload_optimizer.device=nvme"),
-                                       swap=offload.swaps["optimizer"],
+            swapped = SwappedOptimizer(make_optimizer=swapped_builder(optimizer), swap=offload.swaps["optimizer"],
+                                       num_groups=len(optimizer.param_groups) if optimizer is not None else 1,
                                        sub_group_size=pol.sub_group_size, pipeline=pol.pipeline,
                                        dtype=self.policy.master_dtype, pin=pol.pin_memory)
         if pol.param == "nvme":
