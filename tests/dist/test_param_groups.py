@@ -253,3 +253,46 @@ def test_unsupported_group_setups_are_clear_errors(tmp_path):
     errors = run_distributed(error_runs, WORLD, str(tmp_path))[0]
     assert "not parameters of the model" in errors["not-a-param"], errors
     assert errors["lamb-client"].startswith("NotImplementedError") and "stage=2" in errors["lamb-client"], errors
+
+
+# -- cross-check: DeepSpeed 0.19.8 with the same script, when it is installed ----------------------------
+def both_runs(rank, world):
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
+    import deepspeed
+
+    import zerospeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    out = {}
+    for name, lib in (("deepspeed", deepspeed), ("zerospeed", zerospeed)):
+        for stage in (0, 1, 2, 3):
+            for case in CASES:
+                model = make_model()
+                groups, client, sched = client_optimizer(model, case)
+                cfg = {**ds_config(stage, None), "train_batch_size": MICRO * WORLD, "steps_per_print": 10**9}
+                if client is not None:
+                    del cfg["optimizer"]
+                engine, opt, _, _ = lib.initialize(model=model, model_parameters=groups, optimizer=client,
+                                                   lr_scheduler=sched, config=cfg)
+                lrs = []
+                out[(name, stage, case)] = (train(engine, rank, lrs), lrs,
+                                            [g["weight_decay"] for g in opt.param_groups])
+                if name == "zerospeed":
+                    engine.destroy()
+    return out
+
+
+def test_param_groups_match_deepspeed():
+    out = run_distributed(both_runs, WORLD, timeout=600, env={"DS_ACCELERATOR": "cpu"})[0]
+    assert len(out) == 2 * 4 * len(CASES)
+    for stage in (0, 1, 2, 3):
+        for case in CASES:
+            ds_losses, ds_lrs, ds_wd = out[("deepspeed", stage, case)]
+            zs_losses, zs_lrs, zs_wd = out[("zerospeed", stage, case)]
+            assert max_rel_diff(zs_losses, ds_losses) < 2 * LOSS_TOL, (stage, case, zs_losses, ds_losses)
+            assert zs_wd == ds_wd == [DECAY, 0.0], (stage, case)
+            assert max_rel_diff(sum(zs_lrs, []), sum(ds_lrs, [])) < 1e-12 or case == "decay-groups", (stage, case)
