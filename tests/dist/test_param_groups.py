@@ -215,7 +215,7 @@ def _train_on(engine, rank, batches):
     return losses
 
 
-def test_frozen_base_trainable_subset_and_checkpoints_keep_groups(tmp_path):
+def test_frozen_base_trainable_subset_and_checkpoints_keep_groups_and_reshard(tmp_path):
     out = run_distributed(frozen_runs, WORLD, str(tmp_path), timeout=600)[0]
     for stage in (1, 2, 3):
         r = out[stage]
@@ -229,6 +229,37 @@ def test_frozen_base_trainable_subset_and_checkpoints_keep_groups(tmp_path):
         r = out[f"resume{stage}"]
         assert max_rel_diff(r["resumed"], r["full"]) < 1e-6, (stage, r)
         assert "param group" in r["error"] and "load_optimizer_states=False" in r["error"], (stage, r["error"])
+    # reshard: the 2-rank checkpoints load at 1 rank into another stage, groups and schedule intact
+    resumed = run_distributed(reshard_runs, 1, str(tmp_path), timeout=300)[0]
+    for saved in (2, 3):
+        assert max_rel_diff(resumed[saved], out[f"resume{saved}"]["full"][5:]) < 1e-6, (saved, resumed[saved])
+
+
+def reshard_runs(rank, world, ckpt_dir):
+    """Load the 2-rank checkpoints at 1 rank (stage 2's into stage 3 and back) and train on: the same global
+    batch (micro 4 x 1 rank), so the losses continue those of the uninterrupted 2-rank run."""
+    import torch.distributed as dist
+
+    import zerospeed
+
+    out = {}
+    for saved, stage in ((2, 3), (3, 1)):
+        model = make_model()
+        _, client, sched = client_optimizer(model, "lr-per-group")
+        cfg = {k: v for k, v in ds_config(stage, None).items() if k != "optimizer"}
+        cfg["train_micro_batch_size_per_gpu"] = MICRO * WORLD
+        engine = zerospeed.initialize(model=model, optimizer=client, lr_scheduler=sched, config=cfg)[0]
+        engine.load_checkpoint(ckpt_dir, tag=f"s{saved}")
+        losses = []
+        for x, _ in global_batches(tokens(), MICRO * WORLD, STEPS)[5:]:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[saved] = losses
+        engine.destroy()
+    assert dist.get_world_size() == 1
+    return out
 
 
 def error_runs(rank, world, tmp):
