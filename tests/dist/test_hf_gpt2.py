@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from zerospeed.testing.parity import global_batches, max_rel_diff
+from zerospeed.testing.parity import global_batches, max_rel_diff, train_lm_engine
 from zerospeed.testing.spawn import run_distributed
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed "
@@ -32,7 +32,6 @@ def tokens():
 
 
 def zero3_run(rank, world):
-    import torch.distributed as dist
 
     import zerospeed
 
@@ -42,15 +41,7 @@ def zero3_run(rank, world):
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, _, _, _ = zerospeed.initialize(model=model, config=cfg)
     units = len(engine.strategy.units)
-    losses = []
-    for x, _ in global_batches(tokens(), MICRO * WORLD, STEPS):
-        mine = x[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().double()
-        dist.all_reduce(t)
-        losses.append(float(t) / world)
+    losses = train_lm_engine(engine, global_batches(tokens(), MICRO * WORLD, STEPS))
     tied = engine.module.lm_head.weight is engine.module.transformer.wte.weight
     engine.destroy()
     return losses, units, tied

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from zerospeed.testing.parity import global_batches, max_rel_diff
+from zerospeed.testing.parity import global_batches, max_rel_diff, train_lm_engine
 from zerospeed.testing.spawn import run_distributed
 
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed "
@@ -71,21 +71,8 @@ def ds_config(stage, offload, nvme_path=None):
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}}
 
 
-def train(engine, rank, lrs=None):
-    import torch.distributed as dist
-
-    losses = []
-    for x, _ in global_batches(tokens(), MICRO * WORLD, STEPS):
-        mine = x[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        if lrs is not None:
-            lrs.append(engine.get_lr())
-        t = loss.detach().double()
-        dist.all_reduce(t)
-        losses.append(float(t) / WORLD)
-    return losses
+def train(engine, rank, lrs=None, batches=None):
+    return train_lm_engine(engine, batches or global_batches(tokens(), MICRO * WORLD, STEPS), lrs=lrs)
 
 
 def engine_runs(rank, world, tmp):
@@ -184,11 +171,11 @@ def frozen_runs(rank, world, ckpt_dir):
         full = train(build(per_group), rank)
         first = build(per_group)
         batches = global_batches(tokens(), MICRO * WORLD, STEPS)
-        half = _train_on(first, rank, batches[:5])
+        half = train(first, rank, batches=batches[:5])
         first.save_checkpoint(ckpt_dir, tag=f"s{stage}")
         second = build(per_group)
         second.load_checkpoint(ckpt_dir, tag=f"s{stage}")
-        rest = _train_on(second, rank, batches[5:])
+        rest = train(second, rank, batches=batches[5:])
         one_group = lambda m: (None, torch.optim.AdamW(m.parameters(), lr=LR), None)  # noqa: E731
         other = build(one_group)
         try:
@@ -198,21 +185,6 @@ def frozen_runs(rank, world, ckpt_dir):
             error = str(exc)
         out[f"resume{stage}"] = {"full": full, "resumed": half + rest, "error": error}
     return out
-
-
-def _train_on(engine, rank, batches):
-    import torch.distributed as dist
-
-    losses = []
-    for x, _ in batches:
-        mine = x[rank * MICRO:(rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().double()
-        dist.all_reduce(t)
-        losses.append(float(t) / WORLD)
-    return losses
 
 
 def test_frozen_base_trainable_subset_and_checkpoints_keep_groups_and_reshard(tmp_path):

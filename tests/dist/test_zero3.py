@@ -11,6 +11,7 @@ from torch import nn
 import zerospeed
 from zerospeed.testing.models import GPT, Block, GPTConfig, random_tokens, tiny_gpt
 from zerospeed.testing.parity import global_batches, max_rel_diff, state_max_rel_diff, train_engine, train_reference
+from zerospeed.testing.rss import peak_growth
 from zerospeed.testing.spawn import run_distributed
 from zerospeed.zero import (GatheredParameters, Init, ParameterNotGatheredError, ParamStatus,
                             register_external_parameter, unwrap_for_generation)
@@ -179,20 +180,6 @@ class Stack(nn.Module):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.reshape(-1))
 
 
-def _rss(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _peak_growth(build):
-    """(result, peak resident bytes added while building): VmHWM after resetting it (Linux)."""
-    before = _rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    out = build()
-    return out, _rss("VmHWM:") - before
-
-
 def _train_stack(model, steps):
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
            "zero_optimization": BASE_ZERO}
@@ -226,9 +213,9 @@ def init_checks(rank, world):
     def build():
         with Init():
             return Stack(256, 8)
-    big, init_peak = _peak_growth(build)
+    big, init_peak = peak_growth(build)
     full_bytes = 4 * sum(shape_of(p).numel() for p in big.parameters())
-    _, plain_peak = _peak_growth(lambda: Stack(256, 8))
+    _, plain_peak = peak_growth(lambda: Stack(256, 8))
     _, losses, _ = _train_stack(big, 2)
     return partitioned, init_run, plain_run, init_peak, plain_peak, full_bytes, losses
 

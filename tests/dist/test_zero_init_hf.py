@@ -19,6 +19,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.testing.parity import max_rel_diff
+from zerospeed.testing.rss import peak_growth
 from zerospeed.testing.spawn import run_distributed
 from zerospeed.zero import GatheredParameters, Init
 from zerospeed.zero.stage3_init import init_shard, partitioned_parameters, shape_of
@@ -78,20 +79,6 @@ def _train(model) -> list[float]:
         losses.append(total.item() / dist.get_world_size())
     engine.destroy()
     return losses
-
-
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _peak_growth(build):
-    """(result, peak resident bytes added while building): VmHWM after resetting it (Linux)."""
-    before = _rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    out = build()
-    return out, _rss("VmHWM:") - before
 
 
 class _Probe(nn.Module):
@@ -154,11 +141,11 @@ def _memory(rank: int) -> dict:
     def build():
         with Init():
             return cls(cfg)
-    big, init_peak = _peak_growth(build)
+    big, init_peak = peak_growth(build)
     full_bytes = 4 * sum(shape_of(p).numel() for p in big.parameters())
     held, expected = _held(big)
     del big
-    _, plain_peak = _peak_growth(lambda: cls(cfg))
+    _, plain_peak = peak_growth(lambda: cls(cfg))
     return {"init_peak": init_peak, "plain_peak": plain_peak, "full_bytes": full_bytes, "held": (held, expected)}
 
 

@@ -96,3 +96,24 @@ def state_max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         raise ValueError(f"key mismatch: {sorted(set(a) ^ set(b))}")
     return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12))
                for k in a)
+
+
+def train_lm_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                    lrs: list | None = None) -> list[float]:
+    """A Hugging Face causal LM (`engine(input_ids=x, labels=x).loss`, labels shifted inside the model):
+    one step per global batch, this rank taking rows [r*B/N, (r+1)*B/N) of the inputs [B, T]; returns the
+    per-step loss averaged over the ranks (all-reduced). lrs: if given, receives `engine.get_lr()` per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, _ in batches:
+        per = x.shape[0] // world
+        mine = x[rank * per:(rank + 1) * per].to(engine.device)
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        if lrs is not None:
+            lrs.append(engine.get_lr())
+        t = loss.detach().double()
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    return losses

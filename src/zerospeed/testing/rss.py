@@ -1,0 +1,19 @@
+"""Resident-memory probes for tests (Linux /proc): what building something added to the peak RSS."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def rss_bytes(key: str = "VmRSS:") -> int:
+    """A /proc/self/status field in bytes: "VmRSS:" (resident now) or "VmHWM:" (peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def peak_growth(build: Callable[[], Any]) -> tuple[Any, int]:
+    """(build(), peak resident bytes added while building): VmHWM after resetting it (clear_refs 5)."""
+    before = rss_bytes("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = build()
+    return out, rss_bytes("VmHWM:") - before
