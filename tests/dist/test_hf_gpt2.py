@@ -32,7 +32,6 @@ def tokens():
 
 
 def zero3_run(rank, world):
-
     import zerospeed
 
     model = make_model()
