@@ -1,12 +1,15 @@
-"""Parameter groups as users write them, at ZeRO stages 0-3, with and without CPU offload, world size 2.
+"""Parameter groups as users write them, at ZeRO stages 0-3, without offload and with the optimizer on
+CPU or NVMe, world size 2.
 
 An unmodified HF GPT-2 trained with (a) the config's AdamW over `model_parameters` given as decay /
 no-decay group dicts (weight decay on matrices, none on biases and LayerNorm: HF Trainer, nanoGPT,
-Megatron), and (b) a client `torch.optim.AdamW` with a learning rate per group and transformers'
-cosine schedule, equals plain single-process PyTorch with the same groups step by step. The returned
-optimizer's `param_groups` are the user's, in the user's order, and the scheduler acts per group.
-The same with the optimizer tier on NVMe (ZeRO-Infinity; its tiles never cross a group). Also: frozen base + trainable subset (optimizer state only for what trains, frozen values bit-exact),
-checkpoints that keep groups, and the errors for what is not supported.
+Megatron), (b) a client `torch.optim.AdamW` with a learning rate per group and transformers' cosine
+schedule, and (c) the groups with a callable optimizer, equals plain single-process PyTorch with the
+same groups step by step. The returned optimizer's `param_groups` are the user's, in the user's order,
+and the scheduler acts per group; on NVMe no optimizer tile crosses a group. Also: bf16/fp16, frozen
+base + trainable subset (optimizer state only for what trains, frozen values bit-exact), checkpoints
+that keep groups and reshard, the errors for what is not supported, and (when DeepSpeed 0.19.8 is
+installed) the same scripts under DeepSpeed at stages 0-3 giving the same losses and learning rates.
 """
 import os
 
@@ -26,7 +29,7 @@ LR, NODECAY_LR, DECAY = 3e-3, 1e-2, 0.1
 LOSS_TOL = 1e-6
 SETUPS = [(0, None), (1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu"), (3, "cpu"), (1, "nvme"), (2, "nvme"),
           (3, "nvme")]
-CASES = ("decay-groups", "lr-per-group")
+CASES = ("decay-groups", "lr-per-group", "callable")
 
 
 def make_model():
@@ -50,10 +53,14 @@ def tokens():
 
 
 def client_optimizer(model, case):
-    """What the user's script builds: the groups, and (case b) a client AdamW + a scheduler."""
+    """What the user's script builds: the groups, and (case b) a client AdamW + a scheduler, or (case c) the
+    groups and a callable optimizer, which is called with them (DeepSpeed's `optimizer(model_parameters)`)."""
     decay, nodecay = split(model)
+    groups = [{"params": decay, "weight_decay": DECAY}, {"params": nodecay, "weight_decay": 0.0}]
     if case == "decay-groups":
-        return [{"params": decay, "weight_decay": DECAY}, {"params": nodecay, "weight_decay": 0.0}], None, None
+        return groups, None, None
+    if case == "callable":
+        return groups, lambda params: torch.optim.AdamW(params, lr=LR), None
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": DECAY},
                              {"params": nodecay, "weight_decay": 0.0, "lr": NODECAY_LR}], lr=LR)
     return None, opt, lambda o: transformers.get_cosine_schedule_with_warmup(o, 3, STEPS)
@@ -92,7 +99,7 @@ def engine_runs(rank, world, tmp):
             losses = train(engine, rank, lrs)
             hyper = [(g["weight_decay"], len(g["params"]) > 0) for g in opt.param_groups]
             out[(stage, offload, case)] = {"losses": losses, "lrs": lrs, "hyper": hyper,
-                                           "same_object": client is None or opt is client}
+                                           "same_object": not isinstance(client, torch.optim.Optimizer) or opt is client}
             engine.destroy()
     return out
 
@@ -100,7 +107,8 @@ def engine_runs(rank, world, tmp):
 def reference(case):
     model = make_model()
     groups, client, sched = client_optimizer(model, case)
-    opt = client if client is not None else torch.optim.AdamW(groups, lr=LR)
+    opt = client if isinstance(client, torch.optim.Optimizer) else client(groups) if client is not None else \
+        torch.optim.AdamW(groups, lr=LR)
     sched = sched(opt) if sched is not None else None
     losses, lrs = [], []
     for x, _ in global_batches(tokens(), MICRO * WORLD, STEPS):
