@@ -2,11 +2,10 @@
 
 Per-step losses at 2 ranks equal plain single-process PyTorch on the same global batch.
 """
-import os
-
 import pytest
 import torch
 
+from zerospeed.testing.models import tiny_hf_gpt2
 from zerospeed.testing.parity import global_batches, max_rel_diff, train_lm_engine
 from zerospeed.testing.spawn import run_distributed
 
@@ -18,11 +17,7 @@ LOSS_TOL = 1e-5  # relative; HF's attention and loss kernels accumulate in anoth
 
 
 def make_model():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_hf_gpt2()
 
 
 def tokens():

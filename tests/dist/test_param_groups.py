@@ -12,11 +12,10 @@ that keep groups and reshard, the errors for what is not supported, and (when De
 installed) the same scripts under DeepSpeed at stages 0-3 and with CPU offload at stages 2-3 giving the
 same losses and learning rates.
 """
-import os
-
 import pytest
 import torch
 
+from zerospeed.testing.models import tiny_hf_gpt2
 from zerospeed.testing.parity import global_batches, max_rel_diff, train_lm_engine
 from zerospeed.testing.spawn import run_distributed
 
@@ -34,11 +33,7 @@ CASES = ("decay-groups", "lr-per-group", "callable")
 
 
 def make_model():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_hf_gpt2()
 
 
 def split(model):

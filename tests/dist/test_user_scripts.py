@@ -8,12 +8,11 @@
    (also after the same evaluation without no_grad).
 Each compares per-step losses with plain single-process PyTorch on the same global batch (fp32).
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from zerospeed.testing.models import tiny_hf_gpt2
 from zerospeed.testing.parity import global_batches, max_rel_diff
 from zerospeed.testing.spawn import run_distributed
 
@@ -27,11 +26,7 @@ REENTRANT = (True, False)
 
 
 def make_model(seed=0, n_layer=2):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=n_layer, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_hf_gpt2(seed, n_layer)
 
 
 def tokens(steps=STEPS, seed=3):

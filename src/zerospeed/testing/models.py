@@ -164,3 +164,17 @@ def random_tokens(num_samples: int, seq_len: int, vocab_size: int = 256, seed: i
     """Deterministic LongTensor [num_samples, seq_len + 1] of token ids; input = [:, :-1], target = [:, 1:]."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_samples, seq_len + 1), generator=g)
+
+
+def tiny_hf_gpt2(seed: int = 0, n_layer: int = 2):
+    """An unmodified Hugging Face `GPT2LMHeadModel` built from a config (no download): vocab 256, 64 positions,
+    n_embd 64, 2 heads, no dropout; the same weights for the same seed on every rank. Needs transformers."""
+    import os
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=n_layer, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
