@@ -84,6 +84,12 @@ def test_dtypes_tensors_and_placement(acc):
     assert acc.lazy_call(lambda: 7) == 7
     acc.range_push("x")
     acc.range_pop()
+    acc.range_pop()  # nothing open: a no-op
+    with torch.profiler.profile() as prof:  # the range is a profiler range on every device
+        acc.range_push("zerospeed_test_range")
+        torch.ones(4).add_(1)
+        acc.range_pop()
+    assert "zerospeed_test_range" in {e.name for e in prof.events()}
 
 
 def test_env_choice_and_errors(monkeypatch):

@@ -33,7 +33,8 @@ def _numa_nodes_with_cores() -> int:
 class Accelerator:
     """The device API DeepSpeed code calls as `get_accelerator().<method>()`.
 
-    device_type: "cpu" or a torch accelerator type ("cuda", "xpu", "mps", ...). Byte counts are ints;
+    device_type: "cpu" or a torch accelerator type (`torch.accelerator.current_accelerator().type`). Byte
+    counts are ints;
     device_index None means the current device. On "cpu" every device index is ignored.
     """
 
@@ -42,6 +43,7 @@ class Accelerator:
         self._cpu = device_type == "cpu"
         self._module = None if self._cpu else getattr(torch, device_type, None)
         self._peak_rss = self._rss() if self._cpu else 0
+        self._ranges: list = []  # open range_push() ranges
 
     def __repr__(self) -> str:
         return f"Accelerator({self._name!r})"
@@ -49,11 +51,11 @@ class Accelerator:
     # ---- identity -------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """The device type: "cpu", "cuda", "xpu", ..."""
+        """The device type: "cpu" or the torch accelerator's type."""
         return self._name
 
     def device_name(self, device_index: int | None = None) -> str:
-        """"cpu" on the host; "cuda" for device_index None, else "cuda:<device_index>"."""
+        """"cpu" on the host; the device type for device_index None, else "<type>:<device_index>"."""
         if self._cpu or device_index is None:
             return self._name
         return f"{self._name}:{device_index}"
@@ -285,13 +287,16 @@ class Accelerator:
 
     # ---- profiler ranges ------------------------------------------------------------------------
     def range_push(self, msg: str) -> None:
-        """Open a named range in the device profiler (NVTX on CUDA; no-op elsewhere)."""
-        if self._name == "cuda":
-            torch.cuda.nvtx.range_push(msg)
+        """Open a named range (`torch.profiler.record_function`, on every device: it shows in torch.profiler
+        traces, and as NVTX ranges under `torch.autograd.profiler.emit_nvtx`). Close it with range_pop()."""
+        ctx = torch.profiler.record_function(msg)
+        ctx.__enter__()
+        self._ranges.append(ctx)
 
     def range_pop(self) -> None:
-        if self._name == "cuda":
-            torch.cuda.nvtx.range_pop()
+        """Close the range the last range_push() opened (no-op if none is open)."""
+        if self._ranges:
+            self._ranges.pop().__exit__(None, None, None)
 
     def visible_devices_envs(self) -> list[str]:
         """Environment variables that select this node's devices for a process."""
