@@ -90,8 +90,8 @@ def _select_parameters(model: nn.Module, model_parameters, optimizer) -> list | 
         left = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
         if left:
             log.warning("%d trainable parameter(s) are not in the optimizer (e.g. %s); they are frozen "
-                           "(requires_grad=False), as nothing would update them", len(left),
-                           ", ".join(n for n, _ in left[:3]))
+                        "(requires_grad=False), as nothing would update them", len(left),
+                        ", ".join(n for n, _ in left[:3]))
             for _, p in left:
                 p.requires_grad_(False)
     return given

@@ -29,31 +29,22 @@ new value on every rank. `safe_set_full_optimizer_state` writes this rank's frag
 optimizer already has (local; KeyError before the first step). NVMe-offloaded optimizer states are
 not reachable (NotImplementedError, as for checkpoints).
 
-Lookup: stage 0-2 strategies register themselves when built (`register_strategy`, weak references);
-stage 3 ones are found in `stage3_context`'s registry. A parameter maps to the most recently built live strategy that
-manages it: stages 0-2 by identity in `strategy.params`, stage 3 via `strategy.managed(param)`.
+Lookup: every strategy registers itself in `zero.stage3_context`'s registry of live strategies (weak
+references). A parameter maps to the live stage-3 strategy that manages it (`strategy.managed(param)`),
+else to the most recently built stage 0-2 one holding it in `strategy.params`.
 """
 from __future__ import annotations
 
-import weakref
 import torch
 import torch.distributed as dist
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
-           "safe_get_local_grad", "safe_get_local_optimizer_state", "register_strategy"]
-
-_LIVE: list[weakref.ref] = []  # every strategy built in this process, oldest first (dead refs pruned)
+           "safe_get_local_grad", "safe_get_local_optimizer_state"]
 
 MASTER, GRAD = "master", "grad"  # fields besides optimizer-state names
 
 Piece = tuple[int, int, torch.Tensor]  # (start, end, 1-D tensor of end - start elements) of the flattened param
-
-
-def register_strategy(strategy) -> None:
-    """Called by a ZeRO strategy when it is built (internal)."""
-    _LIVE[:] = [r for r in _LIVE if r() is not None]
-    _LIVE.append(weakref.ref(strategy))
 
 
 def _locate(param: torch.Tensor):
@@ -65,9 +56,8 @@ def _locate(param: torch.Tensor):
     s, sp = ctx._find(param)  # the live stage-3 strategies (they register there)
     if s is not None:
         return s, sp, tuple(sp.shape)
-    for ref in reversed(_LIVE):
-        s = ref()
-        if s is not None and getattr(s, "stage", 3) != 3:
+    for s in reversed(ctx.live_strategies()):
+        if s.stage != 3:
             for i, p in enumerate(s.params):
                 if p is param:
                     return s, i, tuple(p.shape)

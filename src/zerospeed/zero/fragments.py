@@ -162,11 +162,9 @@ def _segment_slots(strategy, pieces) -> list[_Slot]:
 
 def _stage12_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
     """One slot per segment of the partition's K rows (one group: the rows, [S] each)."""
-    layout, dtype = strategy.layout, strategy.master.dtype
-    return _segment_slots(strategy, (
-        (f.chunk, f.flat_start - layout.shard_range(f.chunk, rank)[0], f.flat_end - layout.shard_range(f.chunk, rank)[0],
-         _logical(names, strategy.params[f.index], strategy.params[f.index].shape, dtype), f.param_offset)
-        for f in layout.fragments(rank)))
+    params, dtype = strategy.params, strategy.master.dtype
+    return _segment_slots(strategy, ((c, a, b, _logical(names, params[i], params[i].shape, dtype), p_lo)
+                                     for c, a, b, i, p_lo in strategy.partition_pieces()))
 
 
 def _stage3_local(unit) -> torch.Tensor:
@@ -175,20 +173,12 @@ def _stage3_local(unit) -> torch.Tensor:
     return unit.shard
 
 
-def _stage3_pieces(strategy, names, rank: int):
-    for i, u in enumerate(strategy.opt_units):
-        first = u.layout.rank_range(rank)[0]
-        for sp in u.params:
-            lo, hi = u.layout.param_shard_range(sp.index, rank)
-            if hi > lo:
-                yield (i, sp.offset + lo - first, sp.offset + hi - first,
-                       _logical(names, sp.param, sp.shape, u.shard.dtype), lo)
-
-
 def _stage3_slots(strategy, names, rank: int, world: int, *, load: bool) -> list[_Slot]:
     """One slot per segment of the units' shards (one group: the shards); placeholders bound first."""
     strategy.bind_segments()
-    return _segment_slots(strategy, _stage3_pieces(strategy, names, rank))
+    units = strategy.opt_units
+    return _segment_slots(strategy, ((src, a, b, _logical(names, sp.param, sp.shape, units[src].shard.dtype), p_lo)
+                                     for i, u in enumerate(units) for src, a, b, sp, p_lo in strategy.unit_pieces(i, u)))
 
 
 def _slots(strategy, module: nn.Module, *, load: bool) -> list[_Slot]:

@@ -36,6 +36,7 @@ from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
 from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
+from . import stage3_context as ctx
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .partition import plan_flat_partition
@@ -122,9 +123,8 @@ class Stage12Strategy(ZeroStrategy):
         separate = policy.mixed or offload is not None and offload.policy.optimizer_on_host
         self.master = self._build_master(master_values or {}) if separate else self.own_params
         group_of = group_index(optimizer, params, names) if optimizer is not None else [0] * len(params)
-        self.segments = merge_segments(((f.chunk, f.partition_offset - f.chunk * s,
-                                         f.partition_offset - f.chunk * s + f.numel, group_of[f.index])
-                                        for f in layout.fragments(self.rank)), [s] * layout.num_chunks)
+        self.segments = merge_segments(((c, a, b, group_of[i]) for c, a, b, i, _ in self.partition_pieces()),
+                                       [s] * layout.num_chunks)
         if offload is not None and offload.policy.optimizer == "nvme":
             groups = len(optimizer.param_groups) if optimizer is not None else 1
             self.swapped = SwappedOptimizer(make_optimizer=swapped_builder(optimizer),
@@ -146,7 +146,15 @@ class Stage12Strategy(ZeroStrategy):
                                grad_dtype=policy.master_dtype if policy.mixed else None,
                                reduce_dtype=policy.reduce_dtype)
         self.optimizer = self._build_optimizer(optimizer)
-        __import__("zerospeed.utils.tensor_fragment", fromlist=["_"]).register_strategy(self)  # safe_get_full_*
+        ctx.register_strategy(self)  # found by utils.tensor_fragment (safe_get_full_*)
+
+    def partition_pieces(self):
+        """(row, start, end, param index, param_start): each parameter fragment in this rank's partition, as
+        columns [start, end) of row `row` ([K, S]) and the flattened parameter's elements from param_start."""
+        s = self.layout.shard_numel
+        for f in self.layout.fragments(self.rank):
+            col = f.partition_offset - f.chunk * s
+            yield f.chunk, col, col + f.numel, f.index, f.param_offset
 
     def _flat_ranges(self) -> list[tuple[int, int, int]]:
         """(start, end, group) over the flattened [K * S] partition: each row's segments, or the whole
@@ -158,10 +166,8 @@ class Stage12Strategy(ZeroStrategy):
         return out
 
     def _segment_tensors(self) -> list[torch.Tensor]:
-        """The tensor the optimizer steps for each segment: a whole master row, or a column range of it."""
-        rows = self.master.unbind(0)
-        s = self.layout.shard_numel
-        return [rows[g.source] if (g.start, g.end) == (0, s) else rows[g.source][g.start:g.end] for g in self.segments]
+        """The tensor the optimizer steps for each segment: its columns of its master row ([S] for a whole row)."""
+        return [self.master[g.source, g.start:g.end] for g in self.segments]
 
     def _build_master(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
         """fp32 [K, S]: this rank's fragments of every parameter, from the original values (zero padding)."""
@@ -192,10 +198,8 @@ class Stage12Strategy(ZeroStrategy):
         g = self.grads.partition_grad
         if g is not None and g.device != self.master.device:
             g = g.to(self.master.device, non_blocking=True)
-        s = self.layout.shard_numel
         for seg, t in zip(self.segments, self.master_params):
-            t.grad = None if g is None else g[seg.source] if (seg.start, seg.end) == (0, s) else \
-                g[seg.source, seg.start:seg.end]
+            t.grad = None if g is None else g[seg.source, seg.start:seg.end]
 
     # -- the ZeroStrategy protocol (call order: see strategy.py) --------------------------------------
     @property
@@ -286,6 +290,7 @@ class Stage12Strategy(ZeroStrategy):
 
     def remove(self) -> None:
         """Remove the hooks and drop gradients; parameters stay views into the flat buffer."""
+        ctx.unregister_strategy(self)
         self.grads.remove_hooks()
         for p in self.params:
             p.grad = None

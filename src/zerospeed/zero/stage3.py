@@ -103,7 +103,7 @@ class Stage3Strategy(ZeroStrategy):
                             param_device=HOST if opol is not None and opol.param == "cpu" else None,
                             param_swapper=self.param_swapper)
             if self.swapped is not None and u.layout.padded:  # the master goes to NVMe right away, cut by group
-                ranges = [(g.start, g.end, g.group) for g in merge_segments(self._unit_pieces(0, u),
+                ranges = [(g.start, g.end, g.group) for g in merge_segments(self._grouped(self.unit_pieces(0, u)),
                                                                             [u.layout.shard_numel])]
                 u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach(),
                                                                                        ranges=ranges or None)
@@ -158,34 +158,40 @@ class Stage3Strategy(ZeroStrategy):
         `opt_units`) and `master_params`, the tensor the optimizer steps for each: the shard itself when
         one group fills it, else a placeholder `bind_segments` points at the shard's columns."""
         self.opt_units = [u for u in self.units if u.layout.padded]
-        self.segments = merge_segments((piece for i, u in enumerate(self.opt_units) for piece in self._unit_pieces(i, u)),
-                                       [u.layout.shard_numel for u in self.opt_units])
+        pieces = (piece for i, u in enumerate(self.opt_units) for piece in self.unit_pieces(i, u))
+        self.segments = merge_segments(self._grouped(pieces), [u.layout.shard_numel for u in self.opt_units])
         self.master_params = [self.opt_units[g.source].shard if g.numel == self.opt_units[g.source].layout.shard_numel
                               else torch.empty(0, dtype=self.opt_units[g.source].shard.dtype) for g in self.segments]
 
-    def _unit_pieces(self, source: int, u: ShardedUnit):
-        """(source, start, end, group) of each parameter fragment in this rank's shard of unit `u`."""
+    def unit_pieces(self, source: int, u: ShardedUnit):
+        """(source, start, end, ShardedParam, param_start): each parameter fragment in this rank's shard of
+        unit `u`, as shard columns [start, end) and the flattened parameter's elements from param_start."""
         first = u.layout.rank_range(self.rank)[0]
         for sp in u.params:
             lo, hi = u.layout.param_shard_range(sp.index, self.rank)
             if hi > lo:
-                yield source, sp.offset + lo - first, sp.offset + hi - first, self._group_of.get(id(sp.param), 0)
+                yield source, sp.offset + lo - first, sp.offset + hi - first, sp, lo
+
+    def _grouped(self, pieces):
+        """unit_pieces -> (source, start, end, param group) for `merge_segments`."""
+        return ((src, a, b, self._group_of.get(id(sp.param), 0)) for src, a, b, sp, _ in pieces)
 
     def bind_segments(self) -> None:
         """Point every segment placeholder (data and .grad) at its columns of its unit's shard, where the
         shard's storage is now (own storage, or its slice of the gathered buffer)."""
-        for g, t in zip(self.segments, self.master_params):
+        for g, t in self._placeholders():
             shard = self.opt_units[g.source].shard
-            if t is not shard:
-                t.data = shard.detach()[g.start:g.end]
-                t.grad = None if shard.grad is None else shard.grad[g.start:g.end]
+            t.data = shard.detach()[g.start:g.end]
+            t.grad = None if shard.grad is None else shard.grad[g.start:g.end]
 
     def unbind_segments(self) -> None:
         """Drop the placeholders' views (so they keep no old shard storage or gradient alive)."""
-        for t in self.master_params:
-            if t.grad is not None or t.numel():
-                if not isinstance(t, nn.Parameter):
-                    t.data, t.grad = t.data.new_empty(0), None
+        for _, t in self._placeholders():
+            t.data, t.grad = t.data.new_empty(0), None
+
+    def _placeholders(self):
+        """(segment, placeholder) for every segment that is not a whole shard."""
+        return [(g, t) for g, t in zip(self.segments, self.master_params) if t is not self.opt_units[g.source].shard]
 
     def _build_offload(self, offload, optimizer, named):
         """(SwappedOptimizer | None, ParamSwapper | None) for NVMe offload of the masters / the shards."""

@@ -6,7 +6,8 @@ here that gathers or re-partitions is a *collective*: call it on every data-para
 same order. Parameters not managed by a live ZeRO-3 strategy (stages 0-2, frozen parameters,
 another model) pass through untouched, so the same user code runs at every stage.
 
-Registries (module-level, weak): the live stage-3 strategies, and the external parameters users
+Registries (module-level, weak): the live ZeRO strategies of every stage (these contexts act on the
+stage-3 ones; `utils.tensor_fragment` finds any stage's), and the external parameters users
 register, possibly before the engine exists (DeepSpeed users call `register_external_parameter` in
 `__init__`). They key on modules and hold no attributes on any `nn.Parameter`.
 """
@@ -21,17 +22,23 @@ from torch import nn
 
 from . import stage3_init as init
 
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # live Stage3Strategy objects
+_LIVE: list[weakref.ref] = []  # live ZeRO strategies, every stage, oldest first
 _EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]]" = weakref.WeakKeyDictionary()
 
 
 def register_strategy(strategy) -> None:
-    """Called by a Stage3Strategy when it starts managing a model (internal)."""
-    _LIVE.add(strategy)
+    """Called by every ZeRO strategy when it starts managing a model (internal)."""
+    unregister_strategy(strategy)
+    _LIVE.append(weakref.ref(strategy))
 
 
 def unregister_strategy(strategy) -> None:
-    _LIVE.discard(strategy)
+    _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not strategy]
+
+
+def live_strategies(stage: int | None = None) -> list:
+    """The live strategies (of `stage`, or all), oldest first."""
+    return [s for s in (r() for r in _LIVE) if s is not None and (stage is None or s.stage == stage)]
 
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -40,7 +47,7 @@ def external_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _find(param: torch.Tensor):
-    for s in list(_LIVE):
+    for s in live_strategies(3):
         sp = s.managed(param)
         if sp is not None:
             return s, sp
@@ -61,7 +68,7 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     params = _EXTERNAL.setdefault(module, [])
     if not any(p is param for p in params):
         params.append(param)
-    for s in list(_LIVE):
+    for s in live_strategies(3):
         s.add_external(module, param)
 
 
@@ -70,7 +77,7 @@ def unregister_external_parameter(module: nn.Module, param: nn.Parameter) -> Non
     params = _EXTERNAL.get(module)
     if params is not None:
         params[:] = [p for p in params if p is not param]
-    for s in list(_LIVE):
+    for s in live_strategies(3):
         s.remove_external(module, param)
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..comm.logger import CommsLogger
 from ..optim.clipping import clip_and_norm
 from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
+from . import stage3_context as ctx
 from .data_parallel import GradientAllReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
 
@@ -188,7 +189,7 @@ class DataParallelStrategy(ZeroStrategy):
             groups = group_index(optimizer, params, self.names)
             self.optimizer = retarget(optimizer, by_group(zip(groups, self.master_params), len(optimizer.param_groups)))
         self._phase = ReducePhase.IDLE
-        __import__("zerospeed.utils.tensor_fragment", fromlist=["_"]).register_strategy(self)  # safe_get_full_*
+        ctx.register_strategy(self)  # found by utils.tensor_fragment (safe_get_full_*)
 
     @property
     def phase(self) -> ReducePhase:
@@ -253,6 +254,7 @@ class DataParallelStrategy(ZeroStrategy):
                 p.grad = None
 
     def remove(self) -> None:
+        ctx.unregister_strategy(self)
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
