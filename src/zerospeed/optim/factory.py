@@ -39,7 +39,7 @@ from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import Lion
 from zerospeed.utils.kwargs import check_kwargs
 
-__all__ = ["build_optimizer", "resolve_optimizer_class", "OWN_OPTIMIZERS", "TORCH_OPTIMIZERS"]
+__all__ = ["build_optimizer", "guard_fused_cpu", "resolve_optimizer_class", "OWN_OPTIMIZERS", "TORCH_OPTIMIZERS"]
 
 #: The torch optimizers a config is expected to name; any other ``torch.optim`` class also works.
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop")
@@ -164,14 +164,22 @@ def build_optimizer(
 
     param_arg, tensors = _normalise_params(params)
     chosen = _choose_implementation(cls, kwargs, param_arg, tensors, fused_cpu)
-    optimizer = cls(param_arg, **kwargs, **chosen)
-    if chosen.get("fused") and any(t.device.type == "cpu" for t in tensors):
+    return guard_fused_cpu(cls(param_arg, **kwargs, **chosen))
+
+
+def guard_fused_cpu(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Register `_contiguous_for_fused_cpu` once on `optimizer` if a group runs the fused kernel over a
+    host tensor (call again after its tensors change, e.g. a ZeRO stage re-targeting it). Returns it."""
+    if getattr(optimizer, "_zerospeed_fused_cpu_guard", False):
+        return optimizer
+    if any(g.get("fused") and any(t.device.type == "cpu" for t in g["params"]) for g in optimizer.param_groups):
         optimizer.register_step_pre_hook(_contiguous_for_fused_cpu)
+        optimizer._zerospeed_fused_cpu_guard = True
     return optimizer
 
 
 def _contiguous_for_fused_cpu(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Step pre-hook of a CPU fused optimizer we chose: torch's CPU fused kernels (Adam, AdamW,
+    """Step pre-hook of a fused optimizer over host tensors (`guard_fused_cpu`): torch's CPU fused kernels (Adam, AdamW,
     SGD, Adagrad; torch 2.13) walk param, grad and states as contiguous memory without checking
     their strides, so a strided view silently gets wrong values (a [4, 3] column block of a [4, 6]
     gradient moved the parameter by 0.2 in a test). A non-contiguous gradient is replaced by a

@@ -25,6 +25,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..optim.factory import guard_fused_cpu
+
 __all__ = ["Segment", "by_group", "check_optimizer_params", "group_index", "merge_segments", "retarget", "swapped_builder"]
 
 
@@ -116,7 +118,7 @@ def retarget(optimizer: torch.optim.Optimizer, tensors: Sequence[Sequence[torch.
     for group, ts in zip(optimizer.param_groups, tensors):
         group["params"] = list(ts)
     optimizer.state = defaultdict(dict)
-    return optimizer
+    return guard_fused_cpu(optimizer)  # the new tensors may live on the host (offload) where the model did not
 
 
 def swapped_builder(optimizer: torch.optim.Optimizer | None):

@@ -4,14 +4,13 @@ Both run torch's fused Adam kernel when every parameter is a contiguous floating
 device torch has the kernel for (CPU included: DeepSpeed's kernels are fused too), torch's default
 implementation otherwise. ``adam_w_mode`` / ``adamw_mode`` true (default) means decoupled weight decay
 (AdamW, Loshchilov & Hutter 2019); false means L2 regularisation added to the gradient (Adam).
-Extra keyword arguments go to ``torch.optim.Adam`` (``foreach``, ``fused``, ``maximize``, ...), so a
-ZeRO stage can rebuild the optimizer from ``type(opt)(params, **opt.defaults)``.
+Extra keyword arguments go to ``torch.optim.Adam`` (``foreach``, ``fused``, ``maximize``, ...).
 """
 from __future__ import annotations
 
 import torch
 
-from zerospeed.optim.factory import _choose_implementation, _contiguous_for_fused_cpu, _normalise_params
+from zerospeed.optim.factory import _choose_implementation, _normalise_params, guard_fused_cpu
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
 
@@ -35,8 +34,7 @@ class FusedAdam(torch.optim.Adam):
         chosen = _choose_implementation(torch.optim.Adam, torch_kwargs, param_arg, tensors, fused_cpu=True)
         super().__init__(param_arg, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          **torch_kwargs, **chosen)
-        if self.defaults.get("fused") and any(t.device.type == "cpu" for t in tensors):
-            self.register_step_pre_hook(_contiguous_for_fused_cpu)
+        guard_fused_cpu(self)
         self.set_grad_none = set_grad_none
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
