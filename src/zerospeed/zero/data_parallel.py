@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..comm.logger import CommsLogger
 from ..comm.ops import CommHandle, start_all_reduce
 from .buckets import BucketPlan, plan_buckets
+from .reduce import gradient_divide_factors
 
 
 class ReducePhase(enum.Enum):
@@ -177,7 +178,8 @@ class GradientAllReducer(OrderedBucketHooks):
         self.params = params
         self.group = group
         self.world = dist.get_world_size(group)
-        self.predivide = predivide_factor
+        self.predivide, self.post = gradient_divide_factors(self.world, average=average,
+                                                            predivide_factor=predivide_factor)
         self.logger = logger
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
@@ -186,7 +188,6 @@ class GradientAllReducer(OrderedBucketHooks):
         self.reduce_dtype = reduce_dtype or self.grad_dtype
         param_dtype = params[0].dtype if params else self.grad_dtype
         self.lazy = self.grad_dtype != param_dtype and self.reduce_dtype == param_dtype
-        self.post = (self.world / predivide_factor) if average else (1.0 / predivide_factor)
         self.plan: BucketPlan = plan_buckets([p.numel() for p in params], bucket_size)
         self._device = params[0].device if params else None
         self._set_buffers([torch.zeros(n, dtype=param_dtype if self.lazy else self.grad_dtype, device=self._device)

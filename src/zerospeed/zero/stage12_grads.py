@@ -43,6 +43,7 @@ from ..comm.logger import CommsLogger
 from ..comm.ops import CommHandle, start_reduce_scatter
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
+from .reduce import gradient_divide_factors
 
 MAX_CHUNKS_IN_FLIGHT = 2  # chunks reduced concurrently (each holds a receive buffer; stage 2 also its scratch)
 
@@ -58,8 +59,8 @@ class _ChunkReducer(OrderedBucketHooks):
                  predivide: float, logger: CommsLogger | None, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.params, self.layout, self.group, self.rank, self.logger = params, layout, group, rank, logger
-        self.predivide = predivide
-        self.post = (layout.world_size / predivide) if average else (1.0 / predivide)
+        self.predivide, self.post = gradient_divide_factors(layout.world_size, average=average,
+                                                            predivide_factor=predivide)
         self.dtype, self.device = dtype, device
         self.grad_dtype = grad_dtype or dtype
         self.reduce_dtype = reduce_dtype or dtype

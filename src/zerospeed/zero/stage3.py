@@ -36,6 +36,7 @@ from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
+from .reduce import gradient_divide_factors
 from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
@@ -123,11 +124,11 @@ class Stage3Strategy(ZeroStrategy):
             self.optimizer = None if optimizer is None else retarget(optimizer, by_group(
                 ((g.group, t) for g, t in zip(self.segments, self.master_params)), len(optimizer.param_groups)))
         self._phase = ReducePhase.IDLE
+        pre, post = gradient_divide_factors(self.world, average=average, predivide_factor=predivide_factor)
         self.scheduler = GatherScheduler(
             module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
-            max_live=max_live_parameters, max_reuse=max_reuse_distance,
-            post=(self.world / predivide_factor) if average else (1.0 / predivide_factor),
-            predivide=predivide_factor, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size)
+            max_live=max_live_parameters, max_reuse=max_reuse_distance, post=post,
+            predivide=pre, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size)
         self._state_dict_hooks = StateDictHooks(self)
         self.scheduler.on_forward_start = self._state_dict_hooks.reset
         ctx.register_strategy(self)
