@@ -73,7 +73,7 @@ def full_masters(strategy) -> dict[str, torch.Tensor]:
                 for i, (n, p) in enumerate(zip(strategy.names, strategy.params))}
     out = {}
     for u in strategy.units:
-        full = torch.empty(u.layout.padded, dtype=u.shard.dtype)
+        full = torch.empty(u.layout.padded_numel, dtype=u.shard.dtype)
         start_all_gather(full, u.shard.detach(), group=None).wait()
         out.update({sp.fqn: full[sp.offset:sp.offset + sp.numel].view(sp.shape).clone() for sp in u.params})
     return out

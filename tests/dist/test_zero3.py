@@ -80,7 +80,7 @@ def engine_runs(rank, world, names):
             norms.append(e.get_global_grad_norm())
             comms.append({k: (s.calls, s.elements) for k, s in e.comms_logger.stats.items()})
         def after_forward(e):  # what a gathered unit costs: its full buffer, the shard lives inside it
-            forward_end.append((e.memory_breakdown()["params"], [(u.status, u.aliased, 4 * u.layout.padded)
+            forward_end.append((e.memory_breakdown()["params"], [(u.status, u.aliased, 4 * u.layout.padded_numel)
                                                                   for u in e.strategy.units]))
         losses = train_engine(engine, batches, on_step=on_step, after_forward=after_forward,
                               after_backward=lambda e: memory.append(e.memory_breakdown()))

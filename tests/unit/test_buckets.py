@@ -1,19 +1,7 @@
-"""Bucket plans (zero/buckets.py): pure functions, no processes."""
+"""The gradient bucket size (zero/buckets.py); the bucket plans are tested in test_partition.py."""
 import pytest
 
-from zerospeed.zero.buckets import DEFAULT_BUCKET_SIZE, plan_buckets, bucket_elements
-
-
-def test_reverse_order_and_size_limit():
-    plan = plan_buckets([5, 3, 4, 2], 6)  # backward order: 2, 4 | 3 | 5
-    assert plan.sizes == (6, 3, 5)
-    assert [(s.index, s.bucket, s.offset) for s in plan.slots] == [(3, 0, 0), (2, 0, 2), (1, 1, 0), (0, 2, 0)]
-
-
-def test_parameter_larger_than_bucket_gets_its_own():
-    assert plan_buckets([10, 1, 1], 4).sizes == (2, 10)
-    with pytest.raises(ValueError, match="bucket_size"):
-        plan_buckets([1, 2], 0)
+from zerospeed.zero.buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 
 
 def test_bucket_elements_honours_a_set_key_and_picks_the_default_otherwise():

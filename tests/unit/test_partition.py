@@ -1,7 +1,8 @@
-"""Partition math for ZeRO stages 1-2 (`zero/partition.py`): layout, padding, ownership, fragments."""
+"""The ZeRO layout planner (`zero/partition.py`): stage 0's bucket plan, stages 1-2's chunked partition,
+stage 3's one-chunk unit layout: sizes, padding, ownership, fragments."""
 import pytest
 
-from zerospeed.zero.partition import plan_flat_partition
+from zerospeed.zero.partition import plan_buckets, plan_flat_partition, plan_one_chunk
 
 NUMELS = [10, 3, 0, 40]  # 53 elements, one empty parameter
 
@@ -83,3 +84,50 @@ def test_bad_arguments(numels, world, bucket, match):
         plan_flat_partition(numels, world, bucket)
     with pytest.raises(ValueError, match="outside the group"):
         plan_flat_partition([5], 2, 10).shard_range(0, 2)
+
+
+def test_one_chunk_layout_padding_and_shard_ranges():
+    """Stage 3's unit layout: one chunk padded to a multiple of N, one contiguous range per rank."""
+    lay = plan_one_chunk([3, 4], 4)
+    assert (lay.numel, lay.padded_numel, lay.shard_numel, lay.padding, lay.num_chunks) == (7, 8, 2, 1, 1)
+    assert lay.starts == (0, 3)
+    assert [lay.rank_range(r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert lay.param_shard_range(0, 0) == (0, 2) and lay.param_shard_range(0, 1) == (2, 3)
+    assert lay.param_shard_range(1, 1) == (0, 1) and lay.param_shard_range(1, 3) == (3, 4)
+    assert lay.param_shard_range(0, 3) == (0, 0)  # rank 3 holds none of parameter 0
+    assert plan_one_chunk([5], 1).padded_numel == 5
+    for numels, world in (([119104], 4), ([10, 1, 7], 3), ([1], 8), (NUMELS, 4)):
+        lay = plan_one_chunk(numels, world)
+        assert lay.padded_numel % world == 0 and 0 <= lay.padding < world
+        assert lay.rank_ranges(1) == [lay.rank_range(1)]
+        held = sum(hi - lo for r in range(world) for i in range(len(numels))
+                   for lo, hi in [lay.param_shard_range(i, r)])
+        assert held == sum(numels)  # every element on exactly one rank
+        frags = [(f.index, f.param_offset, f.param_offset + f.numel) for r in range(world) for f in lay.fragments(r)]
+        assert sorted(frags) == sorted((i, *lay.param_shard_range(i, r)) for r in range(world)
+                                       for i in range(len(numels)) if lay.param_shard_range(i, r)[1])
+    with pytest.raises(ValueError, match="world_size"):
+        plan_one_chunk([1], 0)
+    with pytest.raises(ValueError, match="rank_ranges"):
+        plan_flat_partition(NUMELS, 4, 20).rank_range(0)
+
+
+def test_one_chunk_layout_of_an_empty_unit():
+    """A stage-3 unit without parameters (or with 0-element ones) plans 0 elements and no fragments."""
+    for numels in ([], [0, 0]):
+        lay = plan_one_chunk(numels, 3)
+        assert (lay.numel, lay.padded_numel, lay.shard_numel, lay.padding) == (0, 0, 0, 0)
+        assert [lay.rank_range(r) for r in range(3)] == [(0, 0)] * 3 and lay.fragments(2) == []
+        assert all(lay.param_shard_range(i, r) == (0, 0) for i in range(len(numels)) for r in range(3))
+
+
+def test_bucket_plan_reverse_order_and_size_limit():
+    plan = plan_buckets([5, 3, 4, 2], 6)  # backward order: 2, 4 | 3 | 5
+    assert plan.sizes == (6, 3, 5)
+    assert [(s.index, s.bucket, s.offset) for s in plan.slots] == [(3, 0, 0), (2, 0, 2), (1, 1, 0), (0, 2, 0)]
+
+
+def test_bucket_plan_parameter_larger_than_bucket_gets_its_own():
+    assert plan_buckets([10, 1, 1], 4).sizes == (2, 10)
+    with pytest.raises(ValueError, match="bucket_size"):
+        plan_buckets([1, 2], 0)

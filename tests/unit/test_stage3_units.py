@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from zerospeed.testing.models import tiny_gpt
-from zerospeed.zero.stage3_params import ParamStatus, ShardedUnit, flat_layout
+from zerospeed.zero.stage3_params import ParamStatus, ShardedUnit
 from zerospeed.zero.stage3_units import ROOT, find_unit_modules, plan_units
 
 
@@ -73,32 +73,13 @@ def test_leaf_modules_by_class_name_and_suffix_and_frozen_parameters_are_not_man
         plan_units(model, persistence_threshold=-1)
 
 
-def test_flat_layout_padding_and_shard_ranges():
-    lay = flat_layout([3, 4], 4)
-    assert (lay.total, lay.padded, lay.shard_numel, lay.padding) == (7, 8, 2, 1)
-    assert lay.offsets == (0, 3)
-    assert [lay.rank_range(r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert lay.param_shard_range(0, 0) == (0, 2) and lay.param_shard_range(0, 1) == (2, 3)
-    assert lay.param_shard_range(1, 1) == (0, 1) and lay.param_shard_range(1, 3) == (3, 4)
-    assert lay.param_shard_range(0, 3) == (0, 0)  # rank 3 holds none of parameter 0
-    assert flat_layout([5], 1).padded == 5 and flat_layout([], 3).padded == 0
-    for numels, world in (([119104], 4), ([10, 1, 7], 3), ([1], 8)):
-        lay = flat_layout(numels, world)
-        assert lay.padded % world == 0 and 0 <= lay.padding < world
-        held = sum(hi - lo for r in range(world) for i in range(len(numels))
-                   for lo, hi in [lay.param_shard_range(i, r)])
-        assert held == sum(numels)  # every element on exactly one rank
-    with pytest.raises(ValueError):
-        flat_layout([1], 0)
-
-
 def test_sharded_unit_keeps_its_slice_and_checks_transitions():
     torch.manual_seed(0)
     lin = nn.Linear(3, 2)  # 6 + 2 = 8 elements -> padded to 9 over 3 ranks
     full = torch.cat([lin.weight.detach().reshape(-1), lin.bias.detach()])
     unit = ShardedUnit(1, "lin", [(lin.weight, "weight", ("weight",)), (lin.bias, "bias", ("bias",))],
                        rank=2, world=3)
-    assert unit.status is ParamStatus.SHARDED and unit.layout.padded == 9
+    assert unit.status is ParamStatus.SHARDED and unit.layout.padded_numel == 9
     assert lin.weight.numel() == 0 and lin.weight.shape == (0,)  # placeholder, never the stale data
     assert unit.gathered_bytes() == 0
     assert torch.equal(unit.shard.detach(), torch.cat([full[6:], torch.zeros(1)]))  # rank 2: 2 values + padding

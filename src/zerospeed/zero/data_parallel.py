@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import CommHandle, start_all_reduce
-from .buckets import BucketPlan, plan_buckets
+from .partition import BucketPlan, plan_buckets
 from .reduce import gradient_divide_factors
 
 

@@ -1,4 +1,13 @@
-"""Partition math for ZeRO stages 1-2: pure functions over element counts, no tensors, no processes.
+"""The ZeRO layout planner: pure functions over element counts, no tensors, no processes.
+
+Two plans, for every stage:
+* `plan_buckets` (stage 0): whole parameters grouped into all-reduce buckets, in backward order.
+* `FlatPartition` (stages 1-3): parameters flat, cut into equal chunks split over the ranks.
+  `plan_flat_partition` plans stages 1-2's K bucket-sized chunks; `plan_one_chunk` plans one
+  chunk (a stage-3 gather unit, stage 0's checkpoint slots), where each rank owns one contiguous
+  range (`rank_range`, `param_shard_range`).
+
+Stages 1-2 (`plan_flat_partition`):
 
 All trainable parameters are laid out back to back, in registration order, in one flat buffer of
 `padded_numel` elements. The buffer is cut into `num_chunks` equal chunks of `chunk_numel`
@@ -18,6 +27,10 @@ has the same length, rank r's partition is the regular strided view
 end of the buffer and is always zero.
 
 Chunks are launched in reverse (K-1 first), the order backward produces gradients in.
+
+Stage 3 (`plan_one_chunk`): a unit's parameters flat, padded to a multiple of N (< N elements of
+padding, none for an empty unit): the same layout with K = 1, so rank r owns the one range
+[r*S, (r+1)*S) of the unit's flat vector (ZeRO §5.3, P_os+g+p).
 """
 from __future__ import annotations
 
@@ -131,9 +144,49 @@ class FlatPartition:
                     out.append(Fragment(i, c, lo, hi, lo - p_start, c * self.shard_numel + lo - s_start))
         return out
 
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """Flat [start, end) of rank `rank`'s one shard. Only for a one-chunk layout (`plan_one_chunk`);
+        raises ValueError for more chunks (a rank then owns one range per chunk: `rank_ranges`)."""
+        if self.num_chunks != 1:
+            raise ValueError(f"rank_range needs a one-chunk layout, this one has {self.num_chunks} chunks "
+                             "(use rank_ranges)")
+        return self.shard_range(0, rank)
+
+    def param_shard_range(self, index: int, rank: int) -> tuple[int, int]:
+        """[lo, hi) of parameter `index`'s flattened elements held by `rank`, (0, 0) if none. Only for a
+        one-chunk layout (raises ValueError otherwise; see `fragments`)."""
+        start, end = self.rank_range(rank)
+        off, n = self.starts[index], self.numels[index]
+        lo, hi = max(start, off) - off, min(end, off + n) - off
+        return (lo, hi) if lo < hi else (0, 0)
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the group of {self.world_size} ranks")
+
+
+def _starts(numels) -> tuple[int, ...]:
+    starts, offset = [], 0
+    for n in numels:
+        starts.append(offset)
+        offset += n
+    return tuple(starts)
+
+
+def _check_counts(numels, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if any(n < 0 for n in numels):
+        raise ValueError(f"element counts must be >= 0, got {list(numels)}")
+
+
+def plan_one_chunk(numels: list[int] | tuple[int, ...], world_size: int) -> FlatPartition:
+    """Pack parameters of `numels` elements back to back and pad to a multiple of `world_size`: one chunk
+    of ceil(Ψ / N) * N elements (0 for no elements: an empty stage-3 unit), rank r owning
+    [r*S, (r+1)*S). Raises ValueError for world_size < 1 or a negative count."""
+    _check_counts(numels, world_size)
+    total = sum(numels)
+    return FlatPartition(tuple(numels), _starts(numels), world_size, 1, -(-total // world_size) * world_size)
 
 
 def plan_flat_partition(numels: list[int] | tuple[int, ...], world_size: int, bucket_size: int) -> FlatPartition:
@@ -149,15 +202,58 @@ def plan_flat_partition(numels: list[int] | tuple[int, ...], world_size: int, bu
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
-    if any(n < 0 for n in numels):
-        raise ValueError(f"element counts must be >= 0, got {list(numels)}")
+    _check_counts(numels, world_size)
     total = sum(numels)
     if total == 0:
         raise ValueError("nothing to partition: the parameters have 0 elements in total")
     chunk = math.ceil(math.ceil(total / math.ceil(total / bucket_size)) / world_size) * world_size
     num_chunks = math.ceil(total / chunk)  # rounding up to world_size may make the last chunk unneeded
-    starts, offset = [], 0
-    for n in numels:
-        starts.append(offset)
-        offset += n
-    return FlatPartition(tuple(numels), tuple(starts), world_size, num_chunks, chunk)
+    return FlatPartition(tuple(numels), _starts(numels), world_size, num_chunks, chunk)
+
+
+# -- stage 0: whole parameters in all-reduce buckets ----------------------------------------------
+@dataclass(frozen=True)
+class BucketSlot:
+    """Parameter `index` occupies elements [offset, offset + numel) of bucket `bucket`."""
+
+    index: int
+    bucket: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Buckets in launch order; `sizes[b]` is bucket b's length in elements."""
+
+    slots: tuple[BucketSlot, ...]
+    sizes: tuple[int, ...]
+
+    def members(self, bucket: int) -> list[BucketSlot]:
+        return [s for s in self.slots if s.bucket == bucket]
+
+
+def plan_buckets(numels: list[int], bucket_size: int, *, reverse: bool = True) -> BucketPlan:
+    """Group parameters (given by element counts, in module registration order) into buckets.
+
+    Parameters are taken in reverse order by default, the order backward produces gradients in,
+    so the first bucket fills first (as in PyTorch DDP, Li et al. 2020, §3.2.3). A parameter joins
+    the open bucket unless that would take it past `bucket_size` elements; a parameter larger than
+    `bucket_size` gets a bucket of its own. Raises ValueError if bucket_size < 1.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
+    order = range(len(numels) - 1, -1, -1) if reverse else range(len(numels))
+    slots: list[BucketSlot] = []
+    sizes: list[int] = []
+    fill = 0
+    for i in order:
+        n = numels[i]
+        if fill and fill + n > bucket_size:
+            sizes.append(fill)
+            fill = 0
+        slots.append(BucketSlot(i, len(sizes), fill, n))
+        fill += n
+    if fill or not sizes:
+        sizes.append(fill)
+    return BucketPlan(tuple(slots), tuple(sizes))

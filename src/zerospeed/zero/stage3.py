@@ -103,7 +103,7 @@ class Stage3Strategy(ZeroStrategy):
                             master_device=HOST if opol is not None and opol.optimizer_on_host else None,
                             param_device=HOST if opol is not None and opol.param == "cpu" else None,
                             param_swapper=self.param_swapper)
-            if self.swapped is not None and u.layout.padded:  # the master goes to NVMe right away, cut by group
+            if self.swapped is not None and u.layout.padded_numel:  # the master goes to NVMe right away, cut by group
                 ranges = [(g.start, g.end, g.group) for g in merge_segments(self._grouped(self.unit_pieces(0, u)),
                                                                             [u.layout.shard_numel])]
                 u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach(),
@@ -158,7 +158,7 @@ class Stage3Strategy(ZeroStrategy):
         """`segments` (per-group column ranges of each non-empty unit's shard; source = index into
         `opt_units`) and `master_params`, the tensor the optimizer steps for each: the shard itself when
         one group fills it, else a placeholder `bind_segments` points at the shard's columns."""
-        self.opt_units = [u for u in self.units if u.layout.padded]
+        self.opt_units = [u for u in self.units if u.layout.padded_numel]
         pieces = (piece for i, u in enumerate(self.opt_units) for piece in self.unit_pieces(i, u))
         self.segments = merge_segments(self._grouped(pieces), [u.layout.shard_numel for u in self.opt_units])
         self.master_params = [self.opt_units[g.source].shard if g.numel == self.opt_units[g.source].layout.shard_numel
@@ -240,7 +240,7 @@ class Stage3Strategy(ZeroStrategy):
 
     def full_bytes(self) -> int:
         """Bytes of every unit's full (padded) buffer: what gathering everything costs per rank."""
-        return sum(u.layout.padded * u.full.element_size() for u in self.units)
+        return sum(u.layout.padded_numel * u.full.element_size() for u in self.units)
 
     def add_external(self, module: nn.Module, param: nn.Parameter) -> bool:
         return self.scheduler.add_external(module, param)

@@ -23,7 +23,6 @@ Lifecycle (`ParamStatus`, asserted transitions): SHARDED -> GATHERING -> GATHERE
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,9 @@ from torch import nn
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import CommHandle, start_all_gather, start_reduce_scatter
+from .partition import FlatPartition, plan_one_chunk
+
+flat_layout = plan_one_chunk  # the old name, still used by utils.tensor_fragment and zero.fragments
 
 
 class ParamStatus(enum.Enum):
@@ -43,56 +45,6 @@ class ParamStatus(enum.Enum):
 
 _ALLOWED = {ParamStatus.SHARDED: ParamStatus.GATHERING, ParamStatus.GATHERING: ParamStatus.GATHERED,
             ParamStatus.GATHERED: ParamStatus.SHARDED}
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each parameter of a unit lives in its flat vector, and how the vector is split over ranks.
-
-    offsets[i], numels[i]: parameter i occupies elements [offsets[i], offsets[i] + numels[i]).
-    total: sum of numels. padded: total rounded up to a multiple of world (the tail is zero
-    padding). shard_numel: padded / world, the elements each rank keeps.
-    """
-
-    offsets: tuple[int, ...]
-    numels: tuple[int, ...]
-    total: int
-    padded: int
-    shard_numel: int
-    world: int
-
-    @property
-    def padding(self) -> int:
-        """Zero elements appended so the vector splits evenly (< world)."""
-        return self.padded - self.total
-
-    def rank_range(self, rank: int) -> tuple[int, int]:
-        """[start, end) of rank's shard in the flat vector (elements)."""
-        return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def param_shard_range(self, index: int, rank: int) -> tuple[int, int]:
-        """[lo, hi) of parameter `index`'s flattened elements held by `rank` (lo == hi: none)."""
-        start, end = self.rank_range(rank)
-        off, n = self.offsets[index], self.numels[index]
-        lo, hi = max(start, off) - off, min(end, off + n) - off
-        return (lo, hi) if lo < hi else (0, 0)
-
-
-def flat_layout(numels: list[int] | tuple[int, ...], world: int) -> FlatLayout:
-    """Pack parameters of `numels` elements back to back and pad to a multiple of `world`.
-
-    Pure. Raises ValueError for world < 1 or a negative numel.
-    """
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
-    if any(n < 0 for n in numels):
-        raise ValueError(f"negative element count in {list(numels)}")
-    offsets, off = [], 0
-    for n in numels:
-        offsets.append(off)
-        off += n
-    padded = -(-off // world) * world
-    return FlatLayout(tuple(offsets), tuple(numels), off, padded, padded // world, world)
 
 
 def _row_pieces(offset: int, numel: int, row: int):
@@ -154,7 +106,7 @@ class ShardedParam:
 
     @property
     def offset(self) -> int:
-        return self.unit.layout.offsets[self.index]
+        return self.unit.layout.starts[self.index]
 
     def local_shard(self) -> torch.Tensor:
         """This rank's part of the parameter, flattened: a 1-D view into `unit.shard` (the fp32 master
@@ -201,11 +153,11 @@ class ShardedUnit:
         full_value = full_value or (lambda p: p.data)
         self.params = [ShardedParam(p, fqn, aliases, self, i, shape_of(p))
                        for i, (p, fqn, aliases) in enumerate(params)]
-        self.layout = flat_layout([sp.numel for sp in self.params], world)
+        self.layout: FlatPartition = plan_one_chunk([sp.numel for sp in self.params], world)
         ref = params[0][0] if params else torch.empty(0)
         if any(p.dtype != ref.dtype or p.device != ref.device for p, _, _ in params):
             raise TypeError(f"gather unit {name or '<root>'}: all parameters must share one dtype and device")
-        self.full = torch.zeros(self.layout.padded, dtype=ref.dtype, device=ref.device)
+        self.full = torch.zeros(self.layout.padded_numel, dtype=ref.dtype, device=ref.device)
         self.placeholder = torch.empty(0, dtype=ref.dtype, device=ref.device)
         self.master_dtype = master_dtype or ref.dtype
         self.reduce_dtype = reduce_dtype or ref.dtype
@@ -225,8 +177,8 @@ class ShardedUnit:
                 param_device is not None or param_swapper is not None
             self.lp_shard = self.full[start:end].to(param_device or ref.device, copy=True) if self.has_master \
                 else self.shard.detach()
-        self.swapper = param_swapper if param_swapper is not None and self.layout.padded else None
-        self.alias = not self.has_master and self.swapper is None and self.layout.padded > 0
+        self.swapper = param_swapper if param_swapper is not None and self.layout.padded_numel else None
+        self.alias = not self.has_master and self.swapper is None and self.layout.padded_numel > 0
         self.aliased = False  # shard.data is this rank's slice of `full` (GATHERED, `alias` only)
         if self.swapper is not None:  # NVMe: the shard lives in a swap file (unless max_in_cpu keeps it)
             kept = self.swapper.add(index, self.lp_shard)
@@ -249,8 +201,8 @@ class ShardedUnit:
     def start_gather(self, group: dist.ProcessGroup | None, logger: CommsLogger | None) -> None:
         """SHARDED -> GATHERING: allocate the full buffer and start its all-gather."""
         self._to(ParamStatus.GATHERING)
-        self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
-        if self.layout.padded:
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        if self.layout.padded_numel:
             self.handle = start_all_gather(self.full, self._lp_source(), group=group, logger=logger)
 
     def finish_gather(self) -> None:
@@ -303,7 +255,7 @@ class ShardedUnit:
                 else:
                     dst[r, col:col + n].copy_(src[lo:lo + n])
             sp.param.grad = None
-        for r, col, _, n in _row_pieces(self.layout.total, self.layout.padding, s):
+        for r, col, _, n in _row_pieces(self.layout.numel, self.layout.padding, s):
             dst[r, col:col + n].zero_()
 
     def accumulate(self, reduced: torch.Tensor, post: float) -> None:
@@ -406,5 +358,5 @@ class ShardedUnit:
         return 0 if self.aliased else self.lp_shard.numel() * self.lp_shard.element_size()
 
     def __repr__(self) -> str:
-        return (f"ShardedUnit({self.name or '<root>'}, {len(self.params)} params, {self.layout.total} elements, "
+        return (f"ShardedUnit({self.name or '<root>'}, {len(self.params)} params, {self.layout.numel} elements, "
                 f"shard {self.layout.shard_numel}, {self.status.value})")

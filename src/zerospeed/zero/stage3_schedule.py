@@ -153,7 +153,7 @@ class GatherScheduler:
         self.peak_live = max(self.peak_live, self._live())
 
     def _live(self) -> int:
-        return sum(u.layout.padded for u in self.units if u.status is not SHARDED)
+        return sum(u.layout.padded_numel for u in self.units if u.status is not SHARDED)
 
     def _release(self, u: ShardedUnit) -> None:
         if u.status is GATHERING:
@@ -168,7 +168,7 @@ class GatherScheduler:
             j += step
             if u.status is not SHARDED or u.index in self._reduced:
                 continue
-            n = u.layout.padded
+            n = u.layout.padded_numel
             if budget + n > self.prefetch_bucket_size or self._live() + n > self.max_live:
                 break
             self._start(u)
@@ -180,9 +180,9 @@ class GatherScheduler:
         if not torch.is_grad_enabled() or not self._order_ok or pos >= len(self._last_order):
             return False
         after = self._last_order[pos + 1:]
-        reuse = 2 * sum(self.units[k].layout.padded for k in after)
+        reuse = 2 * sum(self.units[k].layout.padded_numel for k in after)
         upcoming = self.units[after[0]] if after else None  # leave room to gather the next unit
-        room = upcoming.layout.padded if upcoming is not None and upcoming.status is SHARDED else 0
+        room = upcoming.layout.padded_numel if upcoming is not None and upcoming.status is SHARDED else 0
         return reuse < self.max_reuse and self._live() + room <= self.max_live
 
     def _release_idle(self) -> None:
@@ -318,7 +318,7 @@ class GatherScheduler:
         the parameters until the bucket is launched."""
         if u.status is GATHERING:
             u.finish_gather()
-        n = u.layout.padded
+        n = u.layout.padded_numel
         if self._bucket and self._bucket_numel + n > self.reduce_bucket_size:
             self._launch_bucket()
         self._bucket.append(u)
@@ -378,7 +378,7 @@ class GatherScheduler:
     def unpin(self, units: list[ShardedUnit], was_sharded: list[bool], *, modifier_rank: int | None) -> None:
         """Undo `pin`; with modifier_rank, broadcast that rank's full values and re-partition. Collective."""
         for u, was in zip(units, was_sharded):
-            if modifier_rank is not None and u.layout.padded:
+            if modifier_rank is not None and u.layout.padded_numel:
                 u.sync_rebound()  # a re-bound p.data on the modifier rank
                 broadcast(u.full, dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
                           group=self.group, logger=self.logger)
