@@ -108,10 +108,11 @@ def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None,
 
 def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
               logger: CommsLogger | None = None) -> torch.Tensor:
-    """Blocking in-place broadcast from global rank `src`; returns `tensor`."""
+    """Blocking in-place broadcast from `src`, the source's rank *in `group`* (its global rank only when
+    group is None, the world), as every other rank argument here; returns `tensor`."""
     started = time.perf_counter()
     with record_function("zerospeed::broadcast"):
-        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+        work = dist.broadcast(tensor, group_src=src, group=group, async_op=True)
     _handle("broadcast", work, tensor, logger, started).wait()
     return tensor
 

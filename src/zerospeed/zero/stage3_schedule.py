@@ -380,8 +380,7 @@ class GatherScheduler:
         for u, was in zip(units, was_sharded):
             if modifier_rank is not None and u.layout.padded_numel:
                 u.sync_rebound()  # a re-bound p.data on the modifier rank
-                broadcast(u.full, dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
-                          group=self.group, logger=self.logger)
+                broadcast(u.full, modifier_rank, group=self.group, logger=self.logger)  # rank in the group
                 u.write_back()
             u.pins -= 1
             if was and not u.pins and not any(a is u for a, _ in self._active):
