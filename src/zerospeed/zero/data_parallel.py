@@ -13,12 +13,14 @@ the ZeRO stage 1-2 reduce-scatter (`stage12_grads.py`).
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 import torch.distributed as dist
 
+from ..comm.inflight import ReduceQueue
 from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, start_all_reduce
+from ..comm.ops import start_all_reduce
 from .partition import BucketPlan, plan_buckets
 from .reduce import gradient_divide_factors
 
@@ -197,8 +199,7 @@ class GradientAllReducer(OrderedBucketHooks):
         self._bucket_of = [0] * len(params)  # plan_buckets gives every parameter exactly one slot
         for s in self.plan.slots:
             self._bucket_of[s.index] = s.bucket
-        self._sends: list[torch.Tensor] = []
-        self._handles: list[CommHandle] = []
+        self._queue = ReduceQueue(None)  # every bucket stays in flight until finish() (DDP's buckets are the grads)
         super().__init__(params, [[b] for b in self._bucket_of], len(self.plan.sizes))
         if self.free_between_steps:
             self._release_buckets(keep_user_grads=True)
@@ -271,8 +272,7 @@ class GradientAllReducer(OrderedBucketHooks):
     def arm(self) -> None:
         """Reduce during the coming backward (call at the gradient accumulation boundary)."""
         super().arm()
-        self._handles = []
-        self._sends = []
+        self._queue = ReduceQueue(None)
 
     def _store_grad(self, index: int, p: torch.Tensor) -> None:
         self._ensure_bucket(self._bucket_of[index])
@@ -287,8 +287,18 @@ class GradientAllReducer(OrderedBucketHooks):
         send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         if self.predivide != 1.0:
             send.div_(self.predivide)
-        self._sends.append(send)
-        self._handles.append(start_all_reduce(send, group=self.group, logger=self.logger))
+        self._queue.push(start_all_reduce(send, group=self.group, logger=self.logger),
+                         functools.partial(self._bucket_done, send, slot))
+
+    def _bucket_done(self, send: torch.Tensor, slot: int) -> None:
+        """Bucket `slot`'s all-reduce (of `send`: the bucket, or a cast temporary) is done: copy it back
+        and average (lazy 2-byte sums are divided by `materialize()`). Runs in `finish()`; the bucket is
+        looked up only then (a lazy second micro-step may have replaced the buffers by fp32 ones)."""
+        buf = self.buffers[slot]
+        if send is not buf:
+            buf.copy_(send)
+        if self.post != 1.0 and buf.dtype == self.grad_dtype:
+            buf.div_(self.post)
 
     def finish(self) -> None:
         """Start any bucket not yet started (unused parameters), wait for all, average."""
@@ -296,14 +306,7 @@ class GradientAllReducer(OrderedBucketHooks):
             raise RuntimeError("GradientAllReducer.finish() without arm()")
         self.attach_grads()
         self.launch_remaining()
-        post = self.post
-        for h, send, buf in zip(self._handles, self._sends, self.buffers):
-            h.wait()
-            if send is not buf:
-                buf.copy_(send)
-            if post != 1.0 and buf.dtype == self.grad_dtype:  # lazy 2-byte sums: divided by materialize()
-                buf.div_(post)
-        self._sends = []
+        self._queue.wait_all()
         self.phase = ReducePhase.FINISHED
 
     def remove(self) -> None:

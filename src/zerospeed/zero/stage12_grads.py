@@ -33,14 +33,18 @@ stages finish a chunk's reduction as soon as it is done and never keep more than
 `MAX_CHUNKS_IN_FLIGHT` (+ the one just started) in flight, so those temporaries are reused within a
 backward rather than one allocated per chunk. Only this rank's shard of a chunk holds the reduced
 gradient afterwards; stage 1's `.grad` views elsewhere hold this rank's own unreduced values, as in
-DeepSpeed.
+DeepSpeed. The bound and the in-order finishing are `comm.inflight.ReduceQueue`'s, shared with stages
+0 and 3.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ..comm.inflight import ReduceQueue
 from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, start_reduce_scatter
+from ..comm.ops import start_reduce_scatter
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
 from .reduce import gradient_divide_factors
@@ -64,10 +68,18 @@ class _ChunkReducer(OrderedBucketHooks):
         self.dtype, self.device = dtype, device
         self.grad_dtype = grad_dtype or dtype
         self.reduce_dtype = reduce_dtype or dtype
-        self._inflight: list[tuple[int, CommHandle, torch.Tensor]] = []
-        self.peak_inflight = 0  # most chunks in flight at once so far (at most MAX_CHUNKS_IN_FLIGHT + 1)
+        # finish reductions that are done, and block once too many are in flight: each holds a receive
+        # buffer (and stage 2 its scratch) until its wait, so a backward reuses a few chunks' worth of
+        # memory instead of allocating one per chunk (fresh pages every step: 13 x 13 MB on the 85M
+        # GPT in fp32 for stage 1, all alive at the end of backward)
+        self._queue = ReduceQueue(MAX_CHUNKS_IN_FLIGHT, finish_early=True)
         k = layout.num_chunks
         super().__init__(params, [[k - 1 - c for c in layout.chunks_of(i)] for i in range(len(params))], k, names)
+
+    @property
+    def peak_inflight(self) -> int:
+        """Most chunks in flight at once so far (at most MAX_CHUNKS_IN_FLIGHT + 1)."""
+        return self._queue.peak
 
     def _own(self, chunk_grad: torch.Tensor) -> torch.Tensor:
         s = self.layout.shard_numel
@@ -81,20 +93,7 @@ class _ChunkReducer(OrderedBucketHooks):
             send.div_(self.predivide)
         out = self._own(send)
         handle = start_reduce_scatter(out, send, group=self.group, logger=self.logger, input_is_scratch=True)
-        self._inflight.append((chunk, handle, out))
-        self.peak_inflight = max(self.peak_inflight, len(self._inflight))
-        # finish reductions that are done, and block once too many are in flight: each holds a receive
-        # buffer (and stage 2 its scratch) until its wait, so a backward reuses a few chunks' worth of
-        # memory instead of allocating one per chunk (fresh pages every step: 13 x 13 MB on the 85M
-        # GPT in fp32 for stage 1, all alive at the end of backward)
-        while self._inflight and (len(self._inflight) > MAX_CHUNKS_IN_FLIGHT
-                                  or self._inflight[0][1].is_completed()):
-            self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        chunk, handle, out = self._inflight.pop(0)
-        handle.wait()
-        self._complete(chunk, out)
+        self._queue.push(handle, functools.partial(self._complete, chunk, out))
 
     def finish(self) -> None:
         """Start the chunks not started yet (parameters without a gradient), wait for all, average.
@@ -103,8 +102,7 @@ class _ChunkReducer(OrderedBucketHooks):
             raise RuntimeError(f"{type(self).__name__}.finish() without arm()")
         self._flush_grads()
         self.launch_remaining()
-        while self._inflight:
-            self._complete_oldest()
+        self._queue.wait_all()
         self._after_finish()
         self.phase = ReducePhase.FINISHED
 

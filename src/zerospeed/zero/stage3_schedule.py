@@ -38,6 +38,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from ..comm.inflight import ReduceQueue
 from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
 from .stage3_params import ParamStatus, ShardedParam, ShardedUnit, start_bucket_reduce
@@ -104,7 +105,7 @@ class GatherScheduler:
         self._ran: set[int] = set()        # units whose forward ran with grad since the last reduction
         self._reduced: set[int] = set()
         self._grads_ready = [0] * len(units)
-        self._pending: list = []           # launched buckets: (handle, [(unit, reduced slice)])
+        self._pending = ReduceQueue(_MAX_REDUCE_IN_FLIGHT)  # launched buckets, finished in launch order
         self._bucket: list[ShardedUnit] = []  # units whose full gradients wait for the next bucket
         self._bucket_numel = 0
         self._held: list[ShardedUnit] = []  # gathered for external parameters until the iteration ends
@@ -333,15 +334,13 @@ class GatherScheduler:
 
     def _launch_bucket(self) -> None:
         if self._bucket:
-            self._pending.append(start_bucket_reduce(self._bucket, group=self.group, logger=self.logger,
-                                                     predivide=self.predivide))
+            handle, pieces = start_bucket_reduce(self._bucket, group=self.group, logger=self.logger,
+                                                 predivide=self.predivide)
+            self._pending.push(handle, functools.partial(self._finish_reduce, pieces))
             self._bucket, self._bucket_numel = [], 0
-        while len(self._pending) > _MAX_REDUCE_IN_FLIGHT:
-            self._finish_reduce(self._pending.pop(0))
 
-    def _finish_reduce(self, pending) -> None:
-        handle, pieces = pending
-        handle.wait()
+    def _finish_reduce(self, pieces) -> None:
+        """A bucket's reduce-scatter is done: add each unit's reduced slice into its gradient shard."""
         for u, out in pieces:
             u.accumulate(out, self.post)
 
@@ -353,8 +352,7 @@ class GatherScheduler:
             if i not in self._reduced:
                 self._reduce(self.units[i])
         self._launch_bucket()
-        while self._pending:
-            self._finish_reduce(self._pending.pop(0))
+        self._pending.wait_all()
         self._ran.clear()
         self._reduced.clear()
 
