@@ -1,23 +1,22 @@
-"""Global gradient norm and clipping."""
+"""The global gradient norm and clipping: one function for every ZeRO stage.
+
+`clip_and_norm(grads, max_norm, groups=...)` takes this rank's part of the gradient and the process
+groups over which the parts are disjoint: stage 0 passes its complete (all-reduced) gradients and no
+group; stages 1-2 their [K, S] gradient partition and the data-parallel group; stage 3 its unit
+shards and the data-parallel group. Each strategy's `clip_and_norm` only unscales and collects its
+tensors. It lives in `zero/` (not `optim/`) because the strategies call it and `zero` sits below
+`optim` in the layering (DESIGN.md).
+"""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 
-
-def clip_and_norm(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
-    """Return the global `norm_type`-norm of the gradients of `params`; clip them to `max_norm` if it is > 0.
-
-    Same result as `torch.nn.utils.clip_grad_norm_` (which it calls into). Parameters without a
-    gradient are skipped. Non-finite norms are returned as-is (the caller decides to skip a step).
-    """
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=norm_type, foreach=True)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=True)
-    return float(norm)
-
+from ..comm.logger import CommsLogger
+from ..comm.ops import all_reduce
 
 NORM_BLOCK = 1 << 16  # elements per fp32 partial norm in `sum_of_squares`
 
@@ -41,3 +40,34 @@ def sum_of_squares(tensors: list[torch.Tensor], block: int = NORM_BLOCK) -> torc
     if pieces:
         out += torch.stack(torch._foreach_norm(pieces)).double().square().sum()
     return out
+
+
+def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
+                  groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None) -> float:
+    """Global gradient 2-norm; clip `grads` in place to `max_norm` if it is > 0 and the norm is finite.
+
+    grads: this rank's part of the gradient (any shapes/strides/dtypes, one device; padding must be
+    zero), disjoint from the other ranks' parts over `groups`. groups: the process groups to sum the
+    squares over, in turn (`None` = the default group, the world); empty: `grads` is the complete
+    gradient on this rank and no collective runs. ZeRO stages 1-3 pass their partition/shards and
+    `(dp_group,)`; stage 0 its all-reduced gradients and `()`. A tensor-parallel run would pass its
+    local parts of sharded parameters (and the replicated parameters on one model-parallel rank
+    only, so each counts once) with `(dp_group, tp_group)`, and clip the replicated ones with the
+    returned norm. logger: counts the all-reduces.
+
+    Algorithm: `sum_of_squares` (fp32 norms of 64K-element pieces, summed in float64), one 1-element
+    all-reduce per group, sqrt; clip coefficient min(1, max_norm / (norm + 1e-6)) in fp32, as
+    `torch.nn.utils.clip_grad_norm_` (source: torch.nn.utils.clip_grad._clip_grads_with_norm_), so
+    the result equals `clip_grad_norm_` on the full gradient up to its fp32 rounding. Returns the
+    norm as a float (float64 precision); a non-finite norm (any rank's part had inf/nan: the overflow
+    signal, the same on every rank) is returned as-is and nothing is clipped. Collective over each
+    group: every rank of it must call.
+    """
+    sq = sum_of_squares(grads)
+    for group in groups:
+        all_reduce(sq, group=group, logger=logger)
+    norm = math.sqrt(float(sq))
+    if max_norm > 0 and grads and math.isfinite(norm):
+        coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm

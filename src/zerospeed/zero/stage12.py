@@ -24,19 +24,18 @@ output Ψ elements, i.e. 2Ψ, as for an all-reduce (§7); 2 bytes per element un
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
-from ..comm.ops import all_reduce, start_all_gather
+from ..comm.ops import start_all_gather
 from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
-from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
+from .clipping import clip_and_norm
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .partition import plan_flat_partition
@@ -220,18 +219,12 @@ class Stage12Strategy(ZeroStrategy):
         all-reduced sum of squares of every rank's partition (padding is zero, so it adds nothing);
         equals `clip_grad_norm_` on the full gradient, and is inf/nan on every rank if any rank's
         partition overflowed. If max_norm > 0 and the norm is finite, scale by
-        min(1, max_norm / (norm + 1e-6)) as torch does."""
+        min(1, max_norm / (norm + 1e-6)) as torch does (`zero.clipping.clip_and_norm`)."""
         self.grads.materialize()
         g = self.grads.partition_grad
         if loss_scale != 1.0:
             g.mul_(1.0 / loss_scale)
-        sq = sum_of_squares([g])
-        all_reduce(sq, group=self.group, logger=self.logger)
-        norm = math.sqrt(float(sq))
-        if max_norm > 0 and math.isfinite(norm):
-            coef = torch.tensor(max_norm, dtype=g.dtype) / (torch.tensor(norm, dtype=g.dtype) + 1e-6)
-            g.mul_(coef.clamp(max=1.0).to(g.device))
-        return norm
+        return clip_and_norm([g], max_norm, groups=(self.group,), logger=self.logger)
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's partition gradient (first `limit`). Collective."""

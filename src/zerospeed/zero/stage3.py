@@ -25,13 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
-from ..comm.ops import all_reduce
 from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
-from ..optim.clipping import sum_of_squares
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_context as ctx
+from .clipping import clip_and_norm
 from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
@@ -279,17 +278,12 @@ class Stage3Strategy(ZeroStrategy):
         shards (= the unsharded norm: shards are disjoint and the padding is zero; inf/nan on every
         rank if any shard overflowed); if it is finite, scale gradients by max_norm / (norm + 1e-6)
         if that is < 1 and max_norm > 0 (torch.nn.utils.clip_grad_norm_'s formula). One 1-element
-        all-reduce."""
+        all-reduce (`zero.clipping.clip_and_norm`)."""
         self._materialize_grads()
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        sq = sum_of_squares(grads)
-        all_reduce(sq, group=self.group, logger=self.logger)
-        norm = sq.sqrt().to(torch.float32).squeeze(0)
-        if max_norm > 0 and grads and bool(torch.isfinite(norm)):
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return float(norm)
+        return clip_and_norm(grads, max_norm, groups=(self.group,), logger=self.logger)
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""

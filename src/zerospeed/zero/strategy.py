@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm.logger import CommsLogger
-from ..optim.clipping import clip_and_norm
 from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
 from . import stage3_context as ctx
+from .clipping import clip_and_norm
 from .data_parallel import GradientAllReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
 
@@ -224,11 +224,15 @@ class DataParallelStrategy(ZeroStrategy):
             m.grad = view if ready else None
 
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
-        """Unscale, norm and clip the (already all-reduced, hence identical on every rank) gradients."""
+        """Unscale, norm and clip the (already all-reduced, hence identical on every rank) gradients:
+        `zero.clipping.clip_and_norm` with no group (no collective). Each gradient goes in flat (a
+        view when contiguous, as the bucket views are), so the norm's 64K-element pieces follow the
+        bucket, not the rows of a 2-D weight."""
         self._link_master_grads()
-        if loss_scale != 1.0:
-            torch._foreach_mul_([m.grad for m in self.master_params if m.grad is not None], 1.0 / loss_scale)
-        return clip_and_norm(self.master_params, max_norm)
+        grads = [m.grad for m in self.master_params if m.grad is not None]
+        if loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        return clip_and_norm([g.view(-1) if g.is_contiguous() else g for g in grads], max_norm)
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         self._link_master_grads()
