@@ -44,7 +44,8 @@ class ZeroSpeedEngine(nn.Module):
                  gradient_clipping: float, zero_stage: int, steps_per_print: int,
                  comms_logger: CommsLogger | None, telemetry: Telemetry, training_dataloader=None,
                  local_rank: int = 0, policy: MixedPrecisionPolicy | None = None,
-                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, auto_cast: bool = False):
+                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, auto_cast: bool = False,
+                 mesh=None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -69,6 +70,9 @@ class ZeroSpeedEngine(nn.Module):
         self.local_rank = local_rank
         self.dp_world_size = dist.get_world_size(group)
         self.world_size = dist.get_world_size()
+        # the named sub-groups (parallel.ParallelMesh, also the `mpu`); group is its "data" group
+        self.mesh = self.mpu = mesh
+        self.mp_world_size = mesh.size("model") if mesh is not None else 1
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -146,8 +150,8 @@ class ZeroSpeedEngine(nn.Module):
                 self.strategy.finish()
             scale = self.loss_scaler.loss_scale
             self._global_grad_norm = self.strategy.clip_and_norm(self._clip, loss_scale=scale)
-            # the norm was all-reduced: every rank takes the same decision
-            overflow = self._check_overflow and not math.isfinite(self._global_grad_norm)
+            # the norm was all-reduced over the data-parallel group; the other dimensions vote too
+            overflow = self._check_overflow and self._overflow_anywhere(self._global_grad_norm)
             self.loss_scaler.update_scale(overflow, nonfinite_names=self.strategy.nonfinite_grad_names)
             if overflow:
                 self.skipped_steps += 1
@@ -166,6 +170,18 @@ class ZeroSpeedEngine(nn.Module):
             self.telemetry.end_step(self)
             self._maybe_print()
         self.micro_steps += 1
+
+    def _overflow_anywhere(self, norm: float) -> bool:
+        """True on every rank if the gradient norm is non-finite on any rank of the world: the data-parallel
+        ranks already agree (the norm was all-reduced over their group); with model-parallel dimensions the
+        decision is an all-reduce (MAX of the flag) over the whole world, so every replica and every shard
+        skips the same steps."""
+        bad = not math.isfinite(norm)
+        if self.mp_world_size == 1:
+            return bad
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def zero_grad(self) -> None:
         """Clear the gradients (stage 0 keeps them as views into the buckets and zeroes them in place)."""
@@ -235,18 +251,55 @@ class ZeroSpeedEngine(nn.Module):
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective sharded save to `save_dir/<tag>` (default `global_step<N>`), then `save_dir/latest`."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return self._per_model_rank(lambda d: save_checkpoint(self, d, tag, client_state, save_latest,
+                                                              exclude_frozen_parameters), save_dir, "save")
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Collective load at any world size / stage -> (load_path, client_state); (None, None) without `latest`."""
         from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        return self._per_model_rank(lambda d: load_checkpoint(self, d, tag, load_module_strict, load_optimizer_states,
+                                                              load_lr_scheduler_states, load_module_only),
+                                    load_dir, "load")
+
+    def _per_model_rank(self, run, directory, what: str):
+        """Run a collective checkpoint call over the data-parallel group. With model-parallel dimensions
+        (mp_world_size > 1) each model-parallel rank's data-parallel group uses its own sub-directory
+        `mp_rank_XX` (as DeepSpeed's mp_rank files: correct whether the model ranks hold replicas or
+        different shards, but loadable only at the same model-parallel size), and the outcome is agreed
+        over the whole world: CheckpointError on every rank if any group failed. Loading a directory
+        saved without that sub-directory raises CheckpointError naming the sizes."""
+        if self.mp_world_size == 1:
+            return run(directory)
+        from pathlib import Path
+
+        from .checkpoint_format import CheckpointError
+
+        sub = Path(directory) / f"mp_rank_{self.mesh.rank('model'):02d}"
+        result, own = None, None
+        try:
+            if what == "load" and Path(directory).is_dir() and not sub.is_dir():
+                raise CheckpointError(f"{directory} has no {sub.name}/: it was not saved at model-parallel size "
+                                      f"{self.mp_world_size}; loading across model-parallel sizes is not supported yet")
+            result = run(sub)
+        except Exception as exc:  # noqa: BLE001 - agreed over the world below
+            own = exc
+        outcomes: list = [None] * self.world_size
+        dist.all_gather_object(outcomes, None if own is None else f"{type(own).__name__}: {own}")
+        if own is not None:
+            raise own
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if failed:
+            raise CheckpointError(f"checkpoint {what} failed on rank {failed[0][0]} ({failed[0][1]})")
+        return result
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py)."""
+        if self.mp_world_size > 1:  # rank 0 would write its own shards only (DeepSpeed's AutoTP defect)
+            raise NotImplementedError(f"save_16bit_model with model parallelism (model-parallel size "
+                                      f"{self.mp_world_size}) is not supported yet: it would write one model "
+                                      "rank's tensors; use engine.save_checkpoint")
         from .consolidate import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 

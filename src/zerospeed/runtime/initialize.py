@@ -22,6 +22,7 @@ from ..comm.ops import broadcast
 from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
+from ..parallel import ParallelMesh
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
@@ -53,8 +54,12 @@ def _config_source(args, config, config_params):
 
 
 def _dp_world_size(mpu) -> int:
+    """The data-parallel world size the batch triple counts: the mpu's data-parallel size, else the world."""
     if mpu is not None:
-        raise NotImplementedError("mpu (Megatron-style model parallelism) is not supported yet; pass mpu=None")
+        if not dist.is_initialized():
+            raise RuntimeError("initialize(mpu=...) needs torch.distributed initialised first: the mpu's process "
+                               "groups are built on it (zerospeed.comm.init_distributed() before building the mpu)")
+        return ParallelMesh.from_mpu(mpu).size("data")
     return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
 
 
@@ -231,10 +236,15 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     `param_groups` are these groups, in this order, with their hyperparameters, at every ZeRO stage.
     training_data: a torch Dataset; a DataLoader with a DistributedSampler over the data-parallel
     ranks is built for it (micro-batch size from the config).
+    mpu: a Megatron-style model-parallel unit (Megatron-LM's `parallel_state`, DeepSpeed's
+    `PipelineParallelGrid`, or `zerospeed.parallel.ParallelMesh.build(tp=..., pp=...)`): ZeRO then runs
+    over its data-parallel group only, the batch triple counts data-parallel ranks, and the overflow
+    decision is taken over the whole world. torch.distributed must be initialised before it is built.
 
     Returns (engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed does.
     Raises ConfigError for a bad config (before any process group is created),
-    NotImplementedError for a feature not implemented yet, TypeError for bad arguments.
+    NotImplementedError for a feature not implemented yet, TypeError for bad arguments
+    (`parallel.MpuError` for an mpu that lacks the methods zerospeed calls).
     """
     if model is None:
         raise TypeError("initialize() needs model=<torch.nn.Module>")
@@ -251,15 +261,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               "use stage 3, or build the model without zero.Init()")
 
     init_distributed(dist_init_required=dist_init_required)
-    group = None  # data-parallel group: the whole world until other parallel dimensions exist
+    # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
+    mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build()
+    group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     model.to(device)
-    with torch.no_grad():  # every rank starts from rank 0's weights, as DeepSpeed does
+    with torch.no_grad():  # every rank starts from global rank 0's (whole, unsharded) weights, as DeepSpeed does
         for t in list(model.parameters()) + list(model.buffers()):
-            broadcast(t.data, 0, group=group)
+            broadcast(t.data, 0, group=None)
     policy = MixedPrecisionPolicy.from_precision(cfg.precision, cfg.communication_data_type)
     # bf16/fp16: cast the model; the strategy builds its fp32 masters from the original values
     original_values = policy.cast_module(model)
@@ -291,7 +303,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         comms_logger=logger, telemetry=telemetry, training_dataloader=loader, local_rank=env.local_rank,
         policy=policy, loss_scaler=build_loss_scaler(cfg.fp16),
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
-        auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast)
+        auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds

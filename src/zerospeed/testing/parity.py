@@ -60,8 +60,9 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
     """Train `engine` one step per global batch on this rank's micro-batches; returns the per-step
     global loss (the mean over micro-batches and ranks, all-reduced). on_step(engine): after each
     global step; after_forward(engine) / after_backward(engine): after each micro-batch's forward /
-    backward (the latter before its `step()`)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    backward (the latter before its `step()`). Ranks are data-parallel ranks (`engine.group`): the ranks of
+    one model-parallel group (a mesh's tensor/pipe dimension) take the same micro-batches."""
+    rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
     gas = engine.gradient_accumulation_steps()
     losses = []
     for batch in batches:
@@ -75,7 +76,7 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
                 after_backward(engine)
             engine.step()
             total += loss.item()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=engine.group)
         losses.append(float(total) / (gas * world))
         if on_step is not None:
             on_step(engine)
