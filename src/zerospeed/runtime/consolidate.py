@@ -119,36 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- engine.save_16bit_model --------------------------------------------------------------------------------
-class _UnitCursor:
-    """Stage 3: keeps exactly one gather unit gathered while its parameters are written (collective:
-    every rank walks the same units in the same order)."""
-
-    def __init__(self, strategy):
-        self.s, self.unit, self.was_sharded, self.visited = strategy, None, False, set()
-
-    def need(self, unit) -> None:
-        if unit is not self.unit:
-            self.done()
-            from ..zero.stage3_params import ParamStatus
-
-            self.unit, self.was_sharded = unit, unit.status is ParamStatus.SHARDED
-            self.visited.add(unit.index)
-            self.s.scheduler.gather(unit)
-
-    def finish_walk(self, items) -> None:
-        """Gather the units not visited yet (after a failed write, so the other ranks do not hang)."""
-        for _, _, m in items:
-            if m is not None and m[0].index not in self.visited:
-                self.need(m[0])
-
-    def done(self) -> None:
-        from ..zero.stage3_params import ParamStatus
-
-        unit, self.unit = self.unit, None
-        if unit is not None and self.was_sharded and not unit.pins and unit.status is ParamStatus.GATHERED:
-            unit.release()
-
-
 def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_frozen_parameters: bool = False) -> bool:
     """Write the full weights in the module's own dtypes to `save_dir/save_filename` on rank 0. Collective.
 
@@ -162,42 +132,30 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     """
     module, strategy, group = engine.module, engine.strategy, engine.group
     rank = dist.get_rank(group)
-    managed = {id(sp.param): (u, sp) for u in strategy.units for sp in u.params} if strategy.stage == 3 else {}
-    items = []  # (key, tensor, (unit, sharded param) or None)
+    items = []  # (key, tensor)
     for name, p in module.named_parameters(remove_duplicate=False):
         if p.requires_grad or not exclude_frozen_parameters:
-            items.append((name, p, managed.get(id(p))))
-    items += [(name, b, None) for name, b, kind in module_extras(module) if kind == "buffer"]
-    items.sort(key=lambda it: it[2][0].index if it[2] else -1)  # stable: one gather per unit
-    cursor = _UnitCursor(strategy)
-
-    def produce(tensor, m):
-        if m is None:
-            return tensor.detach()
-        cursor.need(m[0])
-        return m[1].view.detach()
-
+            items.append((name, p))
+    items += [(name, b) for name, b, kind in module_extras(module) if kind == "buffer"]
     path = Path(save_dir) / save_filename
     own = None
-    try:
-        if rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.suffix == ".safetensors":
-                entries = [(k, t.dtype, tuple(m[1].shape if m else t.shape), lambda t=t, m=m: produce(t, m))
-                           for k, t, m in items]
-                atomic_write(path, lambda tmp: write_safetensors(tmp, entries, metadata={"format": "pt"}, fsync=False))
+    with strategy.full_values([t for _, t in items]) as full:  # stage 3: one unit gathered at a time
+        walk = [(items[i][0], items[i][1], i) for i in full.order]
+        try:
+            if rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if path.suffix == ".safetensors":
+                    entries = [(k, t.dtype, full.shape(i), lambda i=i: full.value(i)) for k, t, i in walk]
+                    atomic_write(path, lambda tmp: write_safetensors(tmp, entries, metadata={"format": "pt"},
+                                                                     fsync=False))
+                else:
+                    sd = {k: full.value(i).clone() for k, _, i in walk}
+                    atomic_write(path, lambda tmp: torch.save(sd, tmp))
             else:
-                sd = {k: produce(t, m).clone() for k, t, m in items}
-                atomic_write(path, lambda tmp: torch.save(sd, tmp))
-        else:
-            for _, t, m in items:
-                if m is not None:
-                    cursor.need(m[0])
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
-        own = exc
-        cursor.finish_walk(items)
-    finally:
-        cursor.done()
+                full.finish()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            own = exc
+            full.finish()  # the collectives still due, so the other ranks do not hang
     errors = _all_gather_object(None if own is None else (type(own).__name__, str(own)), group)
     _raise_gathered(errors, own, f"save_16bit_model to {path}")
     return True

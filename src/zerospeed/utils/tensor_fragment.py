@@ -31,12 +31,12 @@ not reachable (NotImplementedError, as for checkpoints).
 
 Lookup: every strategy registers itself in `zero.stage3_context`'s registry of live strategies (weak
 references). A parameter maps to the live stage-3 strategy that manages it (`strategy.managed(param)`),
-else to the most recently built stage 0-2 one holding it in `strategy.params`.
+else to the most recently built one holding it (`strategy.locate(param)`). What a rank owns comes from
+the strategy's checkpoint protocol (`checkpoint_slots`, `reduced_grad_pieces`; `zero/strategy.py`).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
@@ -48,50 +48,32 @@ Piece = tuple[int, int, torch.Tensor]  # (start, end, 1-D tensor of end - start 
 
 
 def _locate(param: torch.Tensor):
-    """(strategy, index key, full shape) for `param`, or (None, None, None)."""
+    """(strategy, key, full shape, device for the full value) for `param`, or (None, None, None, None)."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"expected a model parameter (torch.Tensor), got {type(param).__name__}")
     from ..zero import stage3_context as ctx
 
     s, sp = ctx._find(param)  # the live stage-3 strategies (they register there)
     if s is not None:
-        return s, sp, tuple(sp.shape)
+        return (s, *s.locate(param))
     for s in reversed(ctx.live_strategies()):
-        if s.stage != 3:
-            for i, p in enumerate(s.params):
-                if p is param:
-                    return s, i, tuple(p.shape)
-    return None, None, None
-
-
-def _rank_world(strategy) -> tuple[int, int]:
-    group = getattr(strategy, "group", None)
-    return dist.get_rank(group), dist.get_world_size(group)
+        found = s.locate(param)
+        if found is not None:
+            return (s, *found)
+    return None, None, None, None
 
 
 # -- what this rank owns of one parameter ------------------------------------------------------------
-def _value_slots(strategy, key, *, write: bool = False):
-    """[(local tensor the optimizer updates, [(start, end, take)])] for the parameter `key`: the
-    fragments machinery (`zero/fragments.py`) restricted to one parameter. write: at stage 0 every rank
-    holds (and must write) the whole replicated value, as a checkpoint load does."""
-    from ..zero import fragments as fr
-
-    rank, world = _rank_world(strategy)
-    if strategy.stage == 3:
-        params = [sp.param for u in strategy.units for sp in u.params]
-        target = key.param
-    else:
-        params, target = list(strategy.params), strategy.params[key]
+def _value_slots(strategy, param: torch.Tensor, *, write: bool = False):
+    """[(local tensor the optimizer updates, [(start, end, take)])] for `param`: the strategy's
+    checkpoint slots (`ZeroStrategy.checkpoint_slots`) restricted to one parameter. write: at stage 0
+    every rank holds (and must write) the whole replicated value, as a checkpoint load does. The caller
+    calls `strategy.release_checkpoint_slots()` when done."""
+    params = [p for p, _, _ in strategy.checkpoint_params()]
     names = {id(p): (str(i), ()) for i, p in enumerate(params)}
-    want = names[id(target)][0]
-    if strategy.stage == 0:
-        slots = fr._stage0_slots(strategy, names, rank, world, load=write)
-    elif strategy.stage in (1, 2):
-        slots = fr._stage12_slots(strategy, names, rank, world, load=False)
-    else:
-        slots = fr._stage3_slots(strategy, names, rank, world, load=False)  # binds the segment placeholders
+    want = names[id(param)][0]
     out = []
-    for slot in slots:
+    for slot in strategy.checkpoint_slots(names, load=write):
         mine = [(start, end, take) for lp, start, end, take in slot.frags if lp.name == want]
         if mine:
             out.append((slot.local, mine))
@@ -99,12 +81,12 @@ def _value_slots(strategy, key, *, write: bool = False):
 
 
 def _check_reachable(strategy) -> None:
-    if getattr(strategy, "swapped", None) is not None:
+    if strategy.swapped is not None:
         raise NotImplementedError("safe_get/set_* cannot reach masters or optimizer states offloaded to NVMe "
                                   "(zero_optimization.offload_optimizer.device=nvme); use device \"cpu\" or none")
 
 
-def _value_pieces(strategy, key, field: str, *, write: bool = False) -> list[Piece] | None:
+def _value_pieces(strategy, param, field: str, *, write: bool = False) -> list[Piece] | None:
     """This rank's pieces of the master (field "master") or of optimizer state `field`; None if this
     rank holds fragments but not that state."""
     _check_reachable(strategy)
@@ -112,19 +94,18 @@ def _value_pieces(strategy, key, field: str, *, write: bool = False) -> list[Pie
 
     pieces, missing = [], False
     try:
-        for local, frags in _value_slots(strategy, key, write=write):
+        for local, frags in _value_slots(strategy, param, write=write):
             if field == MASTER:
                 src = local.detach()
             else:
-                elem, _ = fr._split_state(strategy, local)
+                elem, _ = fr.split_state(strategy, local)
                 if field not in elem:
                     missing = True
                     continue
                 src = elem[field]
             pieces += [(start, end, take(src)) for start, end, take in frags]
     finally:
-        if strategy.stage == 3:
-            strategy.unbind_segments()
+        strategy.release_checkpoint_slots()
     return None if missing and not pieces else pieces
 
 
@@ -136,45 +117,16 @@ def _grad_pieces(strategy, key) -> list[Piece] | None:
 
     if strategy.phase is not ReducePhase.FINISHED:
         return None
-    rank, world = _rank_world(strategy)
-    if strategy.stage == 0:
-        from ..zero.stage3_params import flat_layout
-
-        strategy._link_master_grads()  # mixed precision: the masters' fp32 .grad (materialized)
-        masters = list(getattr(strategy, "master_params", None) or strategy.params)
-        g = masters[key].grad
-        if g is None:
-            return None
-        lo, hi = flat_layout([m.numel() for m in masters], world).param_shard_range(key, rank)
-        return [(lo, hi, g.reshape(-1)[lo:hi])] if hi > lo else []
-    if strategy.stage in (1, 2):
-        strategy.grads.materialize()
-        pg, layout = strategy.grads.partition_grad, strategy.layout
-        if pg is None:
-            return None
-        out = []
-        for f in layout.fragments(rank):
-            if f.index == key:
-                base = layout.shard_range(f.chunk, rank)[0]
-                out.append((f.param_offset, f.param_offset + f.numel, pg[f.chunk, f.flat_start - base:f.flat_end - base]))
-        return out
-    unit = key.unit
-    unit.materialize_grad()
-    g = unit.shard.grad
-    if g is None:
-        return None
-    lo, hi = unit.layout.param_shard_range(key.index, rank)
-    first = unit.layout.rank_range(rank)[0]
-    return [(lo, hi, g[key.offset + lo - first:key.offset + hi - first])] if hi > lo else []
+    return strategy.reduced_grad_pieces(key)
 
 
-def _pieces(strategy, key, field: str) -> list[Piece] | None:
-    return _grad_pieces(strategy, key) if field == GRAD else _value_pieces(strategy, key, field)
+def _pieces(strategy, param, key, field: str) -> list[Piece] | None:
+    return _grad_pieces(strategy, key) if field == GRAD else _value_pieces(strategy, param, field)
 
 
 # -- full values ---------------------------------------------------------------------------------------
 def _full(param: torch.Tensor, field: str) -> torch.Tensor | None:
-    strategy, key, shape = _locate(param)
+    strategy, key, shape, device = _locate(param)
     if strategy is None:
         return None
     from ..comm.ops import all_reduce
@@ -182,23 +134,17 @@ def _full(param: torch.Tensor, field: str) -> torch.Tensor | None:
     numel = 1
     for s in shape:
         numel *= s
-    pieces = _pieces(strategy, key, field)
-    buf = torch.zeros(numel + 1, dtype=torch.float32, device=_device(strategy, param))
+    pieces = _pieces(strategy, param, key, field)
+    buf = torch.zeros(numel + 1, dtype=torch.float32, device=device)
     if pieces:  # a rank owning nothing of the parameter flags nothing
         with torch.no_grad():
             for start, end, t in pieces:
                 buf[start:end] = t.detach().to(buf.dtype)
         buf[numel] = 1.0
-    all_reduce(buf, group=getattr(strategy, "group", None), logger=getattr(strategy, "logger", None))
+    all_reduce(buf, group=strategy.group, logger=strategy.logger)
     if float(buf[numel]) == 0.0:
         return None
     return buf[:numel].view(shape)
-
-
-def _device(strategy, param: torch.Tensor) -> torch.device:
-    if strategy.stage == 3:
-        return param.device
-    return strategy.params[0].device
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
@@ -218,14 +164,14 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
 
 # -- writes -------------------------------------------------------------------------------------------
 def _write(param: torch.Tensor, value: torch.Tensor, field: str) -> bool:
-    strategy, key, shape = _locate(param)
+    strategy, _, shape, _ = _locate(param)
     if strategy is None:
         return False
     value = torch.as_tensor(value)
     if tuple(value.shape) != shape and value.numel() != _numel(shape):
         raise ValueError(f"value of shape {tuple(value.shape)} does not fit a parameter of shape {shape}")
     flat = value.detach().reshape(-1)
-    pieces = _value_pieces(strategy, key, field, write=True)
+    pieces = _value_pieces(strategy, param, field, write=True)
     if pieces is None:
         raise KeyError(f"the optimizer keeps no state {field!r} for this parameter (yet: states exist after "
                        "the first step)")
@@ -246,7 +192,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master of `param` to the full `value` (same on every rank) and make the compute
     parameters follow. Collective (the refresh) at stages >= 1; does nothing for an unmanaged parameter."""
     if _write(param, value, MASTER):
-        strategy, _, _ = _locate(param)
+        strategy = _locate(param)[0]
         strategy.refresh_params_from_master()
 
 
@@ -258,10 +204,10 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 # -- local (this rank's) fragments ---------------------------------------------------------------------
 def _local(param: torch.Tensor, field: str) -> torch.Tensor | None:
     """This rank's fragments of the field, concatenated in element order (1-D, maybe empty). Local."""
-    strategy, key, _ = _locate(param)
+    strategy, key, _, _ = _locate(param)
     if strategy is None:
         return None
-    pieces = _pieces(strategy, key, field)
+    pieces = _pieces(strategy, param, key, field)
     if pieces is None:
         return None
     pieces = sorted(pieces, key=lambda p: p[0])

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.collectives import GroupCollectives
 from ..comm.logger import CommsLogger
-from ..comm.ops import start_all_gather
 from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
 from ..precision import MixedPrecisionPolicy, first_nonfinite
+from . import fragments
 from . import stage3_context as ctx
 from .clipping import clip_and_norm
 from .data_parallel import ReducePhase
@@ -102,8 +103,9 @@ class Stage12Strategy(ZeroStrategy):
         self.names = names = _check_params(module, params, stage)
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.stage, self.params, self.group, self.logger = stage, params, group, logger
+        self.comms = comms = GroupCollectives(group, logger)
         self.reduce_every_micro_step = stage == 2
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = comms.world_size, comms.rank
         limit = min(reduce_bucket_size, allgather_bucket_size) if allgather_bucket_size > 0 else reduce_bucket_size
         self.layout = layout = plan_flat_partition([p.numel() for p in params], self.world, limit)
         dtype, device = params[0].dtype, params[0].device
@@ -140,8 +142,8 @@ class Stage12Strategy(ZeroStrategy):
             self.master = None  # lives on NVMe now
         self.master_params = self._segment_tensors() if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
-        self.grads = grads_cls(params, layout, names, group=group, rank=self.rank, average=average,
-                               predivide=predivide_factor, logger=logger, dtype=dtype, device=device,
+        self.grads = grads_cls(params, layout, names, comms=comms, average=average,
+                               predivide=predivide_factor, dtype=dtype, device=device,
                                grad_dtype=policy.master_dtype if policy.mixed else None,
                                reduce_dtype=policy.reduce_dtype)
         self.optimizer = self._build_optimizer(optimizer)
@@ -271,7 +273,7 @@ class Stage12Strategy(ZeroStrategy):
         for c in range(self.layout.num_chunks):
             chunk = self.flat[slice(*self.layout.chunk_range(c))]
             own = self.flat[slice(*self.layout.shard_range(c, self.rank))]
-            handles.append(start_all_gather(chunk, own, group=self.group, logger=self.logger))
+            handles.append(self.comms.start_all_gather(chunk, own))
         for h in handles:
             h.wait()
 
@@ -289,6 +291,46 @@ class Stage12Strategy(ZeroStrategy):
             p.grad = None
         for row in self.master_params:
             row.grad = None
+
+    # -- checkpoints (the ZeroStrategy protocol; zero/fragments.py walks the slots) ---------------------
+    def checkpoint_params(self) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
+        """(parameter, shape, master dtype) in `params` order."""
+        return [(p, tuple(p.shape), self.master.dtype) for p in self.params]
+
+    def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
+        """One slot per segment of the partition's K rows (one group: the rows, [S] each); the same
+        for writing and loading."""
+        params, dtype = self.params, self.master.dtype
+        return fragments.segment_slots(self.segments, self.master_params, (
+            (c, a, b, fragments.logical(names, params[i], params[i].shape, dtype), p_lo)
+            for c, a, b, i, p_lo in self.partition_pieces()))
+
+    def refresh_params_from_master(self) -> None:
+        """master -> this rank's shard of the flat buffer (when separate), then all-gather. Collective."""
+        with torch.no_grad():
+            if self.own_params is not self.master:
+                self.own_params.copy_(self.master)
+            self.all_gather_params()
+
+    def locate(self, param: torch.Tensor):
+        """(index in `params`, shape, device of params[0]) or None."""
+        for i, p in enumerate(self.params):
+            if p is param:
+                return i, tuple(p.shape), self.params[0].device
+        return None
+
+    def reduced_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
+        """Parameter `key`'s fragments of the partition gradient ([K, S], fp32 after materializing)."""
+        self.grads.materialize()
+        pg, layout = self.grads.partition_grad, self.layout
+        if pg is None:
+            return None
+        out = []
+        for f in layout.fragments(self.rank):
+            if f.index == key:
+                base = layout.shard_range(f.chunk, self.rank)[0]
+                out.append((f.param_offset, f.param_offset + f.numel, pg[f.chunk, f.flat_start - base:f.flat_end - base]))
+        return out
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding

@@ -24,14 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.collectives import GroupCollectives
 from ..comm.logger import CommsLogger
+from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
+from . import stage3_checkpoint as ckpt
 from . import stage3_context as ctx
 from .clipping import clip_and_norm
-from .buckets import DEFAULT_BUCKET_SIZE, bucket_elements
 from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
@@ -71,18 +73,19 @@ class Stage3Strategy(ZeroStrategy):
     def __init__(self, module: nn.Module, optimizer, *, group: dist.ProcessGroup | None,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  max_reuse_distance: int = 1_000_000_000, persistence_threshold: int = 100_000,
-                 reduce_bucket_size: int = DEFAULT_BUCKET_SIZE,
+                 reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
                  offload=None):
         self.module, self.group, self.logger = module, group, logger
+        self.comms = GroupCollectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
         values = master_values or {}
 
         def full_value(p):  # zero.Init slices (fp32) first, then the pre-cast original, then the data
             return values[id(p)] if id(p) in values and init.init_shard(p) is None else init.full_value(p)
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.world = self.comms.rank, self.comms.world_size
         self.plans = plan_units(module, persistence_threshold=persistence_threshold, leaf_classes=leaf_classes,
                                 leaf_names=leaf_names, leaf_name_suffixes=leaf_name_suffixes,
                                 numel_of=lambda p: init.shape_of(p).numel())
@@ -125,7 +128,7 @@ class Stage3Strategy(ZeroStrategy):
         self._phase = ReducePhase.IDLE
         pre, post = gradient_divide_factors(self.world, average=average, predivide_factor=predivide_factor)
         self.scheduler = GatherScheduler(
-            module, self.units, group=group, logger=logger, prefetch_bucket_size=prefetch_bucket_size,
+            module, self.units, comms=self.comms, prefetch_bucket_size=prefetch_bucket_size,
             max_live=max_live_parameters, max_reuse=max_reuse_distance, post=post,
             predivide=pre, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size)
         self._state_dict_hooks = StateDictHooks(self)
@@ -146,8 +149,7 @@ class Stage3Strategy(ZeroStrategy):
                    prefetch_bucket_size=int(zero_cfg.prefetch_bucket_size),
                    max_live_parameters=int(zero_cfg.max_live_parameters),
                    max_reuse_distance=int(zero_cfg.max_reuse_distance),
-                   reduce_bucket_size=bucket_elements(int(zero_cfg.reduce_bucket_size),
-                                                      "reduce_bucket_size" in zero_cfg.model_fields_set),
+                   reduce_bucket_size=int(zero_cfg.reduce_bucket_elements),
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
@@ -320,7 +322,7 @@ class Stage3Strategy(ZeroStrategy):
             self.optimizer.step()
             self.unbind_segments()
         for u in self.units:
-            u.after_step(self.group, self.logger)
+            u.after_step(self.comms)
 
     def zero_grad(self) -> None:
         """Drop the shard gradients (set to None, as torch's `zero_grad(set_to_none=True)`: 4Ψ/N bytes
@@ -351,6 +353,31 @@ class Stage3Strategy(ZeroStrategy):
         if self.param_swapper is not None:  # the shard read buffers (shards kept in RAM are counted above)
             params += self.param_swapper.pool.nbytes
         return {"params": params, "grads": grads, "optimizer_states": states, "master_weights": masters}
+
+    # -- checkpoints and full-weight export (the ZeroStrategy protocol; stage3_checkpoint.py) ---------
+    def checkpoint_params(self) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
+        return ckpt.checkpoint_params(self)
+
+    def checkpoint_slots(self, names, *, load: bool) -> list:
+        return ckpt.checkpoint_slots(self, names)
+
+    def release_checkpoint_slots(self) -> None:
+        self.unbind_segments()
+
+    def refresh_params_from_master(self) -> None:
+        ckpt.refresh_params_from_master(self)
+
+    def locate(self, param: torch.Tensor):
+        """(its ShardedParam, full shape, the parameter's device) if a unit manages `param`, else None."""
+        sp = self.managed(param)
+        return None if sp is None else (sp, tuple(sp.shape), param.device)
+
+    def reduced_grad_pieces(self, key: ShardedParam) -> list[tuple[int, int, torch.Tensor]] | None:
+        return ckpt.reduced_grad_pieces(self, key)
+
+    def full_values(self, tensors: list[torch.Tensor]) -> ckpt.UnitGatheredValues:
+        """Gathers one unit at a time (`stage3_checkpoint.UnitGatheredValues`). Collective."""
+        return ckpt.UnitGatheredValues(self, tensors)
 
     def consolidated_state_dict(self, *, rank: int | None = None) -> dict[str, torch.Tensor]:
         """The model's full state dict (clones in the parameter dtype: bf16/fp16 under mixed precision;

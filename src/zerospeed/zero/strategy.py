@@ -31,12 +31,15 @@ import abc
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import GroupCollectives
 from ..comm.logger import CommsLogger
 from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
+from . import fragments
 from . import stage3_context as ctx
 from .clipping import clip_and_norm
 from .data_parallel import GradientAllReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
+from .stage3_params import flat_layout
 
 
 class ZeroStrategy(abc.ABC):
@@ -46,6 +49,10 @@ class ZeroStrategy(abc.ABC):
     optimizer: torch.optim.Optimizer | None  # over what this rank updates (its partition for stages >= 1)
     policy: MixedPrecisionPolicy
     master_params: list[torch.Tensor]  # what the optimizer updates (see the module docstring)
+    group: dist.ProcessGroup | None  # the data-parallel group its collectives run over (None: the world)
+    logger: CommsLogger | None  # the comms logger its collectives report to
+    comms: GroupCollectives  # the gradient / parameter collectives over `group` (a subclass may compress)
+    swapped = None  # offload.optimizer.SwappedOptimizer when the masters live on NVMe, else None
     # reduce at every micro-step's backward, not only at the accumulation boundary (stage 2: gradients
     # are partitioned as they are produced, so they cannot accumulate locally)
     reduce_every_micro_step: bool = False
@@ -87,11 +94,53 @@ class ZeroStrategy(abc.ABC):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: {"params", "grads", "optimizer_states", "master_weights"}."""
 
-    # -- checkpoints: what this rank owns of the logical per-parameter state (zero/fragments.py) -----
+    # -- checkpoints: what this rank owns of the logical per-parameter state -------------------------
+    # Each stage implements the four protocol methods below; zero/fragments.py walks what they return
+    # with stage-independent code (it never asks which stage it has).
+    @abc.abstractmethod
+    def checkpoint_params(self) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
+        """(model parameter, full shape, master dtype) of every trainable parameter, in the canonical
+        order (the same on every rank; stage 3: unit by unit). Local."""
+
+    @abc.abstractmethod
+    def checkpoint_slots(self, names: fragments.Names, *, load: bool) -> list[fragments.Slot]:
+        """The tensors the optimizer updates (optimizer-state keys), each with the logical fragments of
+        `names`' parameters inside it (`fragments.Slot`). load=False: what this rank writes (over all
+        ranks of `group` every element exactly once); load=True: what it must fill (stage 0: every
+        element; stages 1-3: the same as for writing). Local (stage 3 binds its segment placeholders:
+        `release_checkpoint_slots` drops them)."""
+
+    def release_checkpoint_slots(self) -> None:
+        """Drop what `checkpoint_slots` bound for the caller (views kept alive). Local; default nothing."""
+
+    @abc.abstractmethod
+    def refresh_params_from_master(self) -> None:
+        """After the masters changed outside optimizer_step() (a checkpoint load, `safe_set_*`): make the
+        parameters used for compute equal them on every rank, by the same master -> parameter path as a
+        step (bf16/fp16: copy into the low-precision parameters / shards; stages 1/2 all-gather; stage 3
+        re-gathers pinned units). A stage whose step path changes must keep this in line. Collective
+        at stages >= 1."""
+
+    @abc.abstractmethod
+    def locate(self, param: torch.Tensor):
+        """(key, full shape, device) of model parameter `param` if this strategy holds it, else None;
+        `key` is what `reduced_grad_pieces` takes, device where a full value of it is assembled. Local."""
+
+    @abc.abstractmethod
+    def reduced_grad_pieces(self, key) -> list[tuple[int, int, torch.Tensor]] | None:
+        """This rank's pieces (start, end, 1-D tensor of end - start elements of the flattened parameter)
+        of the reduced fp32 gradient of the parameter `key` (from `locate`), or None if no reduced
+        gradient is held. Over all ranks the pieces cover the parameter once. Local."""
+
+    def full_values(self, tensors: list[torch.Tensor]) -> FullValues:
+        """Full values of `tensors` (model parameters and buffers), one at a time, for writing them out
+        (`engine.save_16bit_model`); a context manager. Stages 0-2 hold every value whole (nothing
+        collective); stage 3 overrides it (gathers one unit at a time, collective)."""
+        return FullValues(tensors)
+
     def logical_params(self, module) -> list:
         """Every trainable parameter of `module` as a `fragments.LogicalParam` (canonical name, aliases,
         full shape, master dtype), in the same order on every rank. Local."""
-        from . import fragments
         self._check_checkpointable()
         return fragments.logical_params(self, module)
 
@@ -100,7 +149,6 @@ class ZeroStrategy(abc.ABC):
         the fp32 master and of each same-shape optimizer state, 0-d states on the start == 0 fragment)
         for everything this rank owns; over all ranks they cover every element exactly once
         (stage 0 splits the replicated state into N contiguous slices to spread the writing). Local."""
-        from . import fragments
         self._check_checkpointable()
         return fragments.owned_fragments(self, module)
 
@@ -108,25 +156,49 @@ class ZeroStrategy(abc.ABC):
         """Fill the masters this rank holds now (stage 0: all of them) and, if `optimizer_states`, the
         optimizer states (created if the optimizer has not stepped) from `reader`, any flat range of
         any logical tensor (`fragments.FragmentReader`). Local: call refresh_params_from_master() next."""
-        from . import fragments
         self._check_checkpointable()
         fragments.load_owned_fragments(self, module, reader, optimizer_states=optimizer_states)
 
     def _check_checkpointable(self) -> None:
-        if getattr(self, "swapped", None) is not None:
+        if self.swapped is not None:
             raise NotImplementedError(
                 "checkpoints with zero_optimization.offload_optimizer.device=nvme are not supported yet: the "
                 "master weights and optimizer states live in swap files. Save with device \"cpu\" (or none), or "
                 "export the weights with engine.module.state_dict() / save_16bit_model")
 
-    def refresh_params_from_master(self) -> None:
-        """After the masters changed outside optimizer_step() (a checkpoint load): make the parameters
-        used for compute equal them on every rank, by the same master -> parameter path as a step
-        (bf16/fp16: copy into the low-precision parameters / shards; stages 1/2 all-gather; stage 3
-        re-gathers pinned units). A stage whose step path changes must keep this in line
-        (fragments.refresh_params). Collective at stages >= 1."""
-        from . import fragments
-        fragments.refresh_params(self)
+
+class FullValues:
+    """Full values of `tensors` for writing them out one at a time (`ZeroStrategy.full_values`).
+
+    order: indices into `tensors` in the order to read them (the same on every rank). shape(i): the
+    full shape of tensors[i] (known before any gathering). value(i): its full value, detached, valid
+    until the next value() call; call in `order`. finish(): take part in every collective still due
+    (ranks that do not write call it instead of value(); a writer calls it after a failure, so the
+    other ranks do not hang). close() (or leaving the `with`): release what is held. This base class
+    is for strategies holding every value whole: value(i) is tensors[i] itself, nothing is collective.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.order = list(range(len(self.tensors)))
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.tensors[i].shape)
+
+    def value(self, i: int) -> torch.Tensor:
+        return self.tensors[i].detach()
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> FullValues:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -168,13 +240,14 @@ class DataParallelStrategy(ZeroStrategy):
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
                  logger: CommsLogger | None = None, policy: MixedPrecisionPolicy | None = None,
                  names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None):
-        self.params = params
+        self.params, self.group, self.logger = params, group, logger
+        self.comms = GroupCollectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
         if params and (dist.get_world_size(group) > 1 or policy.mixed):
-            self.reducer = GradientAllReducer(params, group=group, bucket_size=bucket_size, average=average,
-                                              predivide_factor=predivide_factor, logger=logger,
+            self.reducer = GradientAllReducer(params, comms=self.comms, bucket_size=bucket_size, average=average,
+                                              predivide_factor=predivide_factor,
                                               grad_dtype=policy.master_dtype if policy.mixed else None,
                                               reduce_dtype=policy.reduce_dtype)
         if policy.mixed and self.reducer is not None:
@@ -265,6 +338,58 @@ class DataParallelStrategy(ZeroStrategy):
         if self.policy.mixed:
             for m in self.master_params:
                 m.grad = None
+
+    # -- checkpoints (the ZeroStrategy protocol; zero/fragments.py walks the slots) ---------------------
+    def checkpoint_params(self) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
+        """(parameter, shape, master dtype) in `params` order."""
+        return [(p, tuple(p.shape), m.dtype) for p, m in zip(self.params, self._masters())]
+
+    def _masters(self) -> list[torch.Tensor]:
+        """One fp32 master per trainable parameter, in `params` order (fp32: the parameters)."""
+        return list(self.master_params or self.params)
+
+    def _writer_layout(self):
+        """The parameters' masters back to back, cut into N equal slices: rank r of `group` (rank and N
+        taken in the data-parallel group) writes slice r of the replicated state."""
+        return flat_layout([m.numel() for m in self._masters()], dist.get_world_size(self.group))
+
+    def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
+        """One slot per parameter master: writing, the part of it inside this rank's slice of the flat
+        space (`_writer_layout`; parameters outside it get no slot); loading, all of it."""
+        masters = self._masters()
+        layout = None if load else self._writer_layout()
+        rank = None if load else dist.get_rank(self.group)
+        slots = []
+        for i, (p, m) in enumerate(zip(self.params, masters)):
+            lo, hi = (0, m.numel()) if load else layout.param_shard_range(i, rank)
+            if hi > lo:
+                take = (lambda a, b: lambda t: fragments.flat_view(t, "a stage-0 parameter")[a:b])(lo, hi)
+                slots.append(fragments.Slot(m, [(fragments.logical(names, p, p.shape, m.dtype), lo, hi, take)]))
+        return slots
+
+    def refresh_params_from_master(self) -> None:
+        """Mixed precision: copy each master into its parameter (fp32: they are the parameters). Local."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self._masters()):
+                if p is not m:
+                    p.data.copy_(m)
+
+    def locate(self, param: torch.Tensor):
+        """(index in `params`, shape, device of params[0]) or None."""
+        for i, p in enumerate(self.params):
+            if p is param:
+                return i, tuple(p.shape), self.params[0].device
+        return None
+
+    def reduced_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
+        """The part of parameter `key`'s all-reduced master gradient inside this rank's writer slice
+        (the same ownership as the checkpoint's), or None if it has no gradient."""
+        self._link_master_grads()  # mixed precision: the masters' fp32 .grad (materialized)
+        g = self._masters()[key].grad
+        if g is None:
+            return None
+        lo, hi = self._writer_layout().param_shard_range(key, dist.get_rank(self.group))
+        return [(lo, hi, g.reshape(-1)[lo:hi])] if hi > lo else []
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes: params (Ψ x 2 or 4), grads (the buckets), optimizer_states, master_weights (4Ψ under
