@@ -19,6 +19,7 @@ from zerospeed.config import (
     closest_key,
     load_config,
 )
+from zerospeed.config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -246,6 +247,17 @@ def test_overlap_comm_default_depends_on_stage(stage, expected):
     assert cfg(zero_optimization={"stage": stage}).zero_optimization.overlap_comm is expected
     assert cfg(zero_optimization={"stage": stage, "overlap_comm": not expected}).zero_optimization.overlap_comm \
         is (not expected)
+
+
+def test_reduce_bucket_elements_honours_a_set_key_and_picks_the_default_otherwise():
+    """The bucket size zero/ receives: the configured one when the key is set, else DDP's 25 MiB of fp32."""
+    assert DEFAULT_REDUCE_BUCKET_SIZE == 6_553_600  # 25 MiB of fp32, DDP's bucket_cap_mb
+    given = cfg(zero_optimization={"reduce_bucket_size": 500_000_000}).zero_optimization
+    assert given.reduce_bucket_elements == 500_000_000  # DeepSpeed's value, given explicitly
+    absent = cfg(zero_optimization={"stage": 2}).zero_optimization
+    assert absent.reduce_bucket_size == 500_000_000 and absent.reduce_bucket_elements == DEFAULT_REDUCE_BUCKET_SIZE
+    assert cfg(zero_optimization={"reduce_bucket_size": 20_000}).zero_optimization.reduce_bucket_elements == 20_000
+    assert "zero_optimization.reduce_bucket_size" in error({**BASE, "zero_optimization": {"reduce_bucket_size": 0}})
 
 
 def test_boolean_zero_optimization_means_stage_1():
@@ -571,6 +583,7 @@ def test_hf_trainer_style_auto_config(tmp_path):
     z = c.zero_optimization
     # the hidden-size "auto" keys get HF's formulas (tests/unit/test_config_auto.py has the rest)
     assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (1024**2, 943718, 10240)
+    assert z.reduce_bucket_elements == 1024**2  # a resolved "auto" counts as set
     assert z.gather_16bit_weights_on_model_save and z.offload_param.device == "cpu"
 
 

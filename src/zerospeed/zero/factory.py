@@ -7,7 +7,6 @@ from torch import nn
 
 from ..comm.logger import CommsLogger
 from ..precision import MixedPrecisionPolicy
-from .buckets import bucket_elements
 from .strategy import DataParallelStrategy, ZeroStrategy
 
 def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -28,8 +27,7 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     """
     policy = policy or MixedPrecisionPolicy()
     params = [p for p in module.parameters() if p.requires_grad]
-    # an unset reduce_bucket_size means DDP's 25 MiB buckets (same sums, overlapped with backward)
-    bucket = bucket_elements(int(zero_cfg.reduce_bucket_size), "reduce_bucket_size" in zero_cfg.model_fields_set)
+    bucket = int(zero_cfg.reduce_bucket_elements)  # unset: DDP's 25 MiB buckets (config/zero.py)
     if stage == 0:
         names = {id(p): n for n, p in module.named_parameters()}
         return DataParallelStrategy(params, optimizer, group=group, bucket_size=bucket,
