@@ -16,11 +16,9 @@ import enum
 import functools
 
 import torch
-import torch.distributed as dist
 
+from ..comm.collectives import GroupCollectives
 from ..comm.inflight import ReduceQueue
-from ..comm.logger import CommsLogger
-from ..comm.ops import start_all_reduce
 from .partition import BucketPlan, plan_buckets
 from .reduce import gradient_divide_factors
 
@@ -148,9 +146,10 @@ class GradViews:
 
 
 class GradientAllReducer(OrderedBucketHooks):
-    """Owns the gradient buckets of `params` and their all-reduce over `group`.
+    """Owns the gradient buckets of `params` and their all-reduce (`comms.start_all_reduce`, over its group).
 
-    params: the trainable parameters (deduplicated). bucket_size: elements per bucket
+    params: the trainable parameters (deduplicated). comms: the collectives over the data-parallel
+    group (`comm.collectives.GroupCollectives`). bucket_size: elements per bucket
     (`reduce_bucket_size`). average: divide by the group size after the sum (`gradient_allreduce_op:
     mean`). predivide_factor: divide by this before the sum and by world/factor after
     (`gradient_predivide_factor`, DeepSpeed semantics) to limit overflow in low precision.
@@ -173,16 +172,14 @@ class GradientAllReducer(OrderedBucketHooks):
     torch's own gradients), and backward allocates one bucket at a time while it frees activations.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
+    def __init__(self, params: list[torch.nn.Parameter], *, comms: GroupCollectives,
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
-                 logger: CommsLogger | None = None, grad_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.params = params
-        self.group = group
-        self.world = dist.get_world_size(group)
+        self.comms = comms
+        self.world = comms.world_size
         self.predivide, self.post = gradient_divide_factors(self.world, average=average,
                                                             predivide_factor=predivide_factor)
-        self.logger = logger
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
                             f"got {sorted(str(d) for d in {p.dtype for p in params})}")
@@ -287,7 +284,7 @@ class GradientAllReducer(OrderedBucketHooks):
         send = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
         if self.predivide != 1.0:
             send.div_(self.predivide)
-        self._queue.push(start_all_reduce(send, group=self.group, logger=self.logger),
+        self._queue.push(self.comms.start_all_reduce(send),
                          functools.partial(self._bucket_done, send, slot))
 
     def _bucket_done(self, send: torch.Tensor, slot: int) -> None:

@@ -26,9 +26,10 @@ buffer, whose views are the parameters' `.grad`); `reduce_dtype`, the collective
 
 Every reduce-scatter input here is ours to overwrite (stage 2's scratch, stage 1's flat gradient or
 its cast temporary), so `_ChunkReducer` passes `input_is_scratch=True` to
-`comm.ops.start_reduce_scatter` (on gloo: point-to-point messages and a local sum instead of gloo's
-clone + all-reduce; the messages for this rank land in a temporary of (N-1)/N of the chunk's size,
-so each chunk in flight holds its L-element buffer and that temporary until its `wait()`). Both
+`GroupCollectives.start_reduce_scatter` (`comm.ops.start_reduce_scatter`; on gloo: point-to-point
+messages and a local sum instead of gloo's clone + all-reduce; the messages for this rank land in a
+temporary of (N-1)/N of the chunk's size, so each chunk in flight holds its L-element buffer and that
+temporary until its `wait()`). Both
 stages finish a chunk's reduction as soon as it is done and never keep more than
 `MAX_CHUNKS_IN_FLIGHT` (+ the one just started) in flight, so those temporaries are reused within a
 backward rather than one allocated per chunk. Only this rank's shard of a chunk holds the reduced
@@ -42,9 +43,8 @@ import functools
 
 import torch
 
+from ..comm.collectives import GroupCollectives
 from ..comm.inflight import ReduceQueue
-from ..comm.logger import CommsLogger
-from ..comm.ops import start_reduce_scatter
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
 from .reduce import gradient_divide_factors
@@ -53,16 +53,17 @@ MAX_CHUNKS_IN_FLIGHT = 2  # chunks reduced concurrently (each holds a receive bu
 
 
 class _ChunkReducer(OrderedBucketHooks):
-    """Reduce-scatters the gradient chunks of a `FlatPartition` over `group` as backward produces them.
+    """Reduce-scatters the gradient chunks of a `FlatPartition` (`comms.start_reduce_scatter`, over the
+    data-parallel group; this rank is `comms.rank`) as backward produces them.
 
     Subclasses say where a chunk's gradient lives (`_chunk_grad`) and what to do once its reduce-
     scatter is done (`_complete`). `partition_grad` is this rank's averaged gradient, [K, S].
     """
 
-    def __init__(self, params, layout: FlatPartition, names, *, group, rank: int, average: bool,
-                 predivide: float, logger: CommsLogger | None, dtype: torch.dtype, device: torch.device,
+    def __init__(self, params, layout: FlatPartition, names, *, comms: GroupCollectives, average: bool,
+                 predivide: float, dtype: torch.dtype, device: torch.device,
                  grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
-        self.params, self.layout, self.group, self.rank, self.logger = params, layout, group, rank, logger
+        self.params, self.layout, self.comms, self.rank = params, layout, comms, comms.rank
         self.predivide, self.post = gradient_divide_factors(layout.world_size, average=average,
                                                             predivide_factor=predivide)
         self.dtype, self.device = dtype, device
@@ -92,7 +93,7 @@ class _ChunkReducer(OrderedBucketHooks):
         if self.predivide != 1.0:
             send.div_(self.predivide)
         out = self._own(send)
-        handle = start_reduce_scatter(out, send, group=self.group, logger=self.logger, input_is_scratch=True)
+        handle = self.comms.start_reduce_scatter(out, send, input_is_scratch=True)
         self._queue.push(handle, functools.partial(self._complete, chunk, out))
 
     def finish(self) -> None:

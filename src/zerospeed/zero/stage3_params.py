@@ -25,11 +25,10 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, start_all_gather, start_reduce_scatter
+from ..comm.collectives import GroupCollectives
+from ..comm.ops import CommHandle
 from .partition import FlatPartition, plan_one_chunk
 
 flat_layout = plan_one_chunk  # the old name, still used by utils.tensor_fragment and zero.fragments
@@ -58,8 +57,7 @@ def _row_pieces(offset: int, numel: int, row: int):
         e += n
 
 
-def start_bucket_reduce(units: list[ShardedUnit], *, group: dist.ProcessGroup | None,
-                        logger: CommsLogger | None, predivide: float):
+def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, predivide: float):
     """One reduce-scatter for the gradients of several units (a `reduce_bucket_size` bucket, as
     DeepSpeed's stage-3 ipg bucket). The bucket is rank-major, [world, sum of shard_numel]: row r
     holds rank r's part of every unit, so this rank receives its shards of all units in one row.
@@ -76,7 +74,7 @@ def start_bucket_reduce(units: list[ShardedUnit], *, group: dist.ProcessGroup | 
     if predivide != 1.0:
         bucket.div_(predivide)
     # in place: the bucket is scratch (on gloo: point-to-point messages + local sum, no clone)
-    handle = start_reduce_scatter(bucket[rank], bucket.view(-1), group=group, logger=logger, input_is_scratch=True)
+    handle = comms.start_reduce_scatter(bucket[rank], bucket.view(-1), input_is_scratch=True)
     return handle, pieces
 
 
@@ -198,12 +196,13 @@ class ShardedUnit:
                                f"{new.value} (allowed: {self.status.value} -> {_ALLOWED[self.status].value})")
         self.status = new
 
-    def start_gather(self, group: dist.ProcessGroup | None, logger: CommsLogger | None) -> None:
-        """SHARDED -> GATHERING: allocate the full buffer and start its all-gather."""
+    def start_gather(self, comms: GroupCollectives) -> None:
+        """SHARDED -> GATHERING: allocate the full buffer and start its all-gather (`comms`, over the
+        group of `world` ranks this unit is sharded over)."""
         self._to(ParamStatus.GATHERING)
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         if self.layout.padded_numel:
-            self.handle = start_all_gather(self.full, self._lp_source(), group=group, logger=logger)
+            self.handle = comms.start_all_gather(self.full, self._lp_source())
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather and point every parameter at its view."""
@@ -332,14 +331,14 @@ class ShardedUnit:
             with torch.no_grad():
                 self.set_lp(self.shard.detach())
 
-    def after_step(self, group: dist.ProcessGroup | None, logger: CommsLogger | None) -> None:
+    def after_step(self, comms: GroupCollectives) -> None:
         """After the masters changed (step, checkpoint load): refresh the shard; a unit still gathered is
         re-gathered if pinned (GatheredParameters, generation) and released otherwise."""
         self.sync_after_step()
         if self.status is ParamStatus.GATHERING:
             self.finish_gather()
         if self.status is ParamStatus.GATHERED and self.pins:
-            start_all_gather(self.full, self._lp_source(), group=group, logger=logger).wait()
+            comms.start_all_gather(self.full, self._lp_source()).wait()
             if self.swapper is not None:
                 self.swapper.release(self.index)
         elif self.status is ParamStatus.GATHERED:

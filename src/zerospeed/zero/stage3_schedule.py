@@ -32,14 +32,13 @@ import functools
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from ..comm.collectives import GroupCollectives
 from ..comm.inflight import ReduceQueue
-from ..comm.logger import CommsLogger
 from ..comm.ops import broadcast
 from .stage3_params import ParamStatus, ShardedParam, ShardedUnit, start_bucket_reduce
 
@@ -82,17 +81,19 @@ class _ShardedUseCheck(TorchFunctionMode):
 class GatherScheduler:
     """Drives the units of one Stage3Strategy through forward and backward (hooks on `module`).
 
-    units: root first. post: divisor applied to reduced gradients (world size to average);
-    predivide: divisor applied before the reduction. sanity_checks: check every forward for
+    units: root first. comms: the collectives over the data-parallel group (gathers and gradient
+    reduce-scatters; the GatheredParameters broadcast uses its group and logger). post: divisor
+    applied to reduced gradients (world size to average); predivide: divisor applied before the
+    reduction. sanity_checks: check every forward for
     not-gathered parameters (otherwise only until one forward completed).
     """
 
-    def __init__(self, module: nn.Module, units: list[ShardedUnit], *, group: dist.ProcessGroup | None,
-                 logger: CommsLogger | None, prefetch_bucket_size: int, max_live: int, max_reuse: int,
+    def __init__(self, module: nn.Module, units: list[ShardedUnit], *, comms: GroupCollectives,
+                 prefetch_bucket_size: int, max_live: int, max_reuse: int,
                  post: float, predivide: float, sanity_checks: bool, reduce_bucket_size: int = 1):
         self.module, self.units, self.root = module, units, units[0]
-        self.group, self.logger = group, logger
-        self.world = dist.get_world_size(group)
+        self.comms, self.group, self.logger = comms, comms.group, comms.logger
+        self.world = comms.world_size
         self.prefetch_bucket_size, self.max_live, self.max_reuse = prefetch_bucket_size, max_live, max_reuse
         self.post, self.predivide, self.sanity_checks = post, predivide, sanity_checks
         self.reduce_bucket_size = reduce_bucket_size
@@ -150,7 +151,7 @@ class GatherScheduler:
             u.finish_gather()
 
     def _start(self, u: ShardedUnit) -> None:
-        u.start_gather(self.group, self.logger)
+        u.start_gather(self.comms)
         self.peak_live = max(self.peak_live, self._live())
 
     def _live(self) -> int:
@@ -334,8 +335,7 @@ class GatherScheduler:
 
     def _launch_bucket(self) -> None:
         if self._bucket:
-            handle, pieces = start_bucket_reduce(self._bucket, group=self.group, logger=self.logger,
-                                                 predivide=self.predivide)
+            handle, pieces = start_bucket_reduce(self._bucket, comms=self.comms, predivide=self.predivide)
             self._pending.push(handle, functools.partial(self._finish_reduce, pieces))
             self._bucket, self._bucket_numel = [], 0
 
