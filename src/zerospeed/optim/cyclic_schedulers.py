@@ -10,7 +10,11 @@ from collections.abc import Sequence
 
 from torch.optim import Optimizer
 
-from zerospeed.optim.schedulers import _LOG, _ONECYCLE_BETA2, _Schedule, _check_positive_int, _per_group, _resolve_optimizer, _write_lrs
+from zerospeed.optim.schedule_base import _LOG, _Schedule, _check_positive_int, _per_group, _resolve_optimizer, _write_lrs
+
+# DeepSpeed's OneCycle writes betas = (momentum, 0.99): the second Adam beta is replaced by 0.99
+# whatever the optimizer was built with. Kept for parity; see OneCycle's docstring.
+_ONECYCLE_BETA2 = 0.99
 
 __all__ = ["LRRangeTest", "OneCycle"]
 
