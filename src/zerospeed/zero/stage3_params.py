@@ -31,8 +31,6 @@ from ..comm.collectives import GroupCollectives
 from ..comm.ops import CommHandle
 from .partition import FlatPartition, plan_one_chunk
 
-flat_layout = plan_one_chunk  # the old name, still used by utils.tensor_fragment and zero.fragments
-
 
 class ParamStatus(enum.Enum):
     """Where a unit's parameters are (DeepSpeed's ZeroParamStatus NOT_AVAILABLE / INFLIGHT / AVAILABLE)."""

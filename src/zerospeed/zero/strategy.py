@@ -39,7 +39,7 @@ from . import stage3_context as ctx
 from .clipping import clip_and_norm
 from .data_parallel import GradientAllReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
-from .stage3_params import flat_layout
+from .partition import plan_one_chunk
 
 
 class ZeroStrategy(abc.ABC):
@@ -351,7 +351,7 @@ class DataParallelStrategy(ZeroStrategy):
     def _writer_layout(self):
         """The parameters' masters back to back, cut into N equal slices: rank r of `group` (rank and N
         taken in the data-parallel group) writes slice r of the replicated state."""
-        return flat_layout([m.numel() for m in self._masters()], dist.get_world_size(self.group))
+        return plan_one_chunk([m.numel() for m in self._masters()], dist.get_world_size(self.group))
 
     def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
         """One slot per parameter master: writing, the part of it inside this rank's slice of the flat
