@@ -178,3 +178,19 @@ def tiny_hf_gpt2(seed: int = 0, n_layer: int = 2):
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_hf_llama(seed: int = 0, n_layer: int = 2, tie: bool = False):
+    """An unmodified Hugging Face `LlamaForCausalLM` from a config (no download): vocab 256, hidden 64,
+    4 query heads and 2 key/value heads (grouped-query attention), MLP width 128; the same weights for the
+    same seed on every rank. tie: share the embedding with the lm_head. Needs transformers."""
+    import os
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layer,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)

@@ -1,0 +1,180 @@
+"""Tensor-parallel linear layers over plain local shards (Megatron-LM, Shoeybi et al. 2019, §3).
+
+A column-parallel layer holds a slice of the output features, a row-parallel one a slice of the input
+features; an MLP or attention block is column -> (local nonlinearity / heads) -> row, with one all-reduce
+in the forward (the row layer's output) and one in the backward (the column layer's input gradient):
+Megatron's conjugate operators f (identity forward, all-reduce backward) and g (all-reduce forward,
+identity backward), here `copy_to_tensor_parallel` and `reduce_from_tensor_parallel`.
+
+The shards are ordinary `nn.Parameter`s of the local shape, under the original names (`weight`, `bias`)
+and in the original orientation (`nn.Linear`: [out, in]; HF's GPT-2 `Conv1D`: [in, out]), so ZeRO,
+optimizers and checkpoints see plain tensors. Where each one sits in the full tensor is a `ShardSpec`
+kept by the layer (`layer.shard_specs`), never on the parameter. DTensor
+(`torch.distributed.tensor.parallel`) is not used: ZeRO flattens parameters into buckets and
+partitions, which DTensors do not support.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.ops import all_reduce
+
+__all__ = ["ShardSpec", "ColumnParallelLinear", "RowParallelLinear", "copy_to_tensor_parallel",
+           "reduce_from_tensor_parallel", "shard_tensor", "unshard_tensors", "tensor_parallel_layers"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a local shard sits in its full tensor: dimension `dim` of the full tensor is viewed as
+    [blocks, n] (a fused projection: GPT-2's qkv has blocks=3, a fused gate_up blocks=2), and rank r holds
+    rows [r*n/tp, (r+1)*n/tp) of every block, concatenated in block order. `tp` ranks in all."""
+
+    dim: int
+    tp: int
+    rank: int
+    blocks: int = 1
+
+    def check(self, full_shape, name: str = "tensor") -> None:
+        """Raise ValueError unless dimension `dim` of `full_shape` splits into blocks x tp equal parts."""
+        size = full_shape[self.dim]
+        if size % (self.blocks * self.tp):
+            what = f"{self.blocks} fused blocks x " if self.blocks > 1 else ""
+            raise ValueError(f"{name}: dimension {self.dim} of shape {tuple(full_shape)} has {size} elements, not "
+                             f"divisible by {what}tensor-parallel size {self.tp}; choose a tp size that divides it")
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's shard of `full` (a new contiguous tensor). Raises ValueError if it does not divide."""
+    spec.check(full.shape)
+    parts = full.chunk(spec.blocks, dim=spec.dim)
+    return torch.cat([p.chunk(spec.tp, dim=spec.dim)[spec.rank] for p in parts], dim=spec.dim).contiguous()
+
+
+def unshard_tensors(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from every rank's shard (`shards[r]` from rank r), inverse of `shard_tensor`."""
+    per_rank = [s.chunk(spec.blocks, dim=spec.dim) for s in shards]
+    return torch.cat([torch.cat([per_rank[r][b] for r in range(len(shards))], dim=spec.dim)
+                      for b in range(spec.blocks)], dim=spec.dim)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: identity forward; all-reduce (sum) of the input gradient over the group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, logger):
+        ctx.group, ctx.logger = group, logger
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), group=ctx.group, logger=ctx.logger), None, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: all-reduce (sum) of the partial outputs forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, logger):
+        return all_reduce(x.contiguous(), group=group, logger=logger)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group, logger=None) -> torch.Tensor:
+    """Megatron's f on `x` [..., features]: the same tensor forward, its gradient summed over `group` backward."""
+    return _CopyToTensorParallel.apply(x, group, logger)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group, logger=None) -> torch.Tensor:
+    """Megatron's g on partial sums `x` [..., features]: summed over `group` forward (one all-reduce of
+    x.numel() elements, counted by `logger`), the gradient passed through backward."""
+    return _ReduceFromTensorParallel.apply(x, group, logger)
+
+
+class _ParallelLinear(nn.Module):
+    """Shared by the two layouts: a sharded `nn.Linear` ([out, in], y = x W^T + b) or GPT-2 `Conv1D`
+    ([in, out], y = x W + b), built from the full module by `from_module`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool, group,
+                 specs: dict[str, ShardSpec | None], in_features: int, out_features: int, name: str = ""):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias.requires_grad)
+        self.transposed, self.group, self.name = transposed, group, name
+        self.logger = None  # the engine's CommsLogger, set by zerospeed.initialize
+        self.in_features, self.out_features = in_features, out_features  # the full layer's
+        self.shard_specs = {k: v for k, v in specs.items() if k != "bias" or bias is not None}
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight if self.transposed else x @ self.weight.t()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (full), "
+                f"local weight {tuple(self.weight.shape)}, tp={next(iter(self.shard_specs.values())).tp}")
+
+
+def _full_module_parts(module: nn.Module):
+    """(weight, bias, transposed, in_features, out_features) of an nn.Linear or a HF Conv1D."""
+    w = module.weight
+    if isinstance(module, nn.Linear):
+        return w, module.bias, False, w.shape[1], w.shape[0]
+    if type(module).__name__ == "Conv1D" and w.dim() == 2:  # transformers.pytorch_utils.Conv1D: [in, out]
+        return w, module.bias, True, w.shape[0], w.shape[1]
+    raise TypeError(f"tensor parallelism shards nn.Linear and HF Conv1D layers, not {type(module).__name__}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split over the tensor-parallel group: input [..., in] (full, replicated),
+    output [..., out/tp] (this rank's features; for fused blocks, its part of each block). Backward
+    all-reduces the input gradient over the group (Megatron's f)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(copy_to_tensor_parallel(x, self.group, self.logger))
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, group, tp: int, rank: int, blocks: int = 1, name: str = ""):
+        """Shard a full `nn.Linear` / `Conv1D` by output features (`blocks` fused projections, each split)."""
+        w, b, transposed, n_in, n_out = _full_module_parts(module)
+        spec = ShardSpec(dim=1 if transposed else 0, tp=tp, rank=rank, blocks=blocks)
+        spec.check(w.shape, f"{name or type(module).__name__}.weight")
+        bspec = ShardSpec(dim=0, tp=tp, rank=rank, blocks=blocks)
+        with torch.no_grad():
+            weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
+            bias = None if b is None else shard_tensor(b.detach(), bspec).requires_grad_(b.requires_grad)
+        return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": bspec},
+                   in_features=n_in, out_features=n_out, name=name)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split over the tensor-parallel group: input [..., in/tp] (this rank's part, as a
+    column-parallel layer produced it), output [..., out] (full, all-reduced: Megatron's g); the bias is
+    replicated and added once, after the reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel(self._matmul(x), self.group, self.logger)
+        return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, group, tp: int, rank: int, blocks: int = 1, name: str = ""):
+        """Shard a full `nn.Linear` / `Conv1D` by input features; the bias stays whole (spec None)."""
+        w, b, transposed, n_in, n_out = _full_module_parts(module)
+        spec = ShardSpec(dim=0 if transposed else 1, tp=tp, rank=rank, blocks=blocks)
+        spec.check(w.shape, f"{name or type(module).__name__}.weight")
+        with torch.no_grad():
+            weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
+            bias = None if b is None else b.detach().clone().requires_grad_(b.requires_grad)
+        return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": None},
+                   in_features=n_in, out_features=n_out, name=name)
+
+
+def tensor_parallel_layers(module: nn.Module):
+    """Yield (qualified name, layer) for every tensor-parallel layer inside `module`."""
+    for name, m in module.named_modules():
+        if isinstance(m, _ParallelLinear):
+            yield name, m
