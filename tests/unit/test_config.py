@@ -134,7 +134,7 @@ def test_removed_optimizers(name):
 
 
 @pytest.mark.parametrize("key,value", [
-    ("pipeline", {"stages": 2}), ("tensor_parallel", {"autotp_size": 2}), ("expert_parallel", {"enabled": True}),
+    ("pipeline", {"stages": 2}), ("expert_parallel", {"enabled": True}),
     ("compile", {"deepcompile": True}), ("hybrid_engine", {"enabled": True}), ("data_efficiency", {"enabled": True}),
     ("weight_quantization", {"post_init_quant": {}}), ("autotuning", {"enabled": True}),
     ("timers", {"throughput": {"enabled": False}}), ("comet", {"enabled": True}), ("sequence_parallel_size", 2),

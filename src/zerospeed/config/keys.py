@@ -59,7 +59,6 @@ _ENABLED_OFF = {"enabled": False}
 UNSUPPORTED_TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "pipeline": {"stages": "auto", "partition": "best", "seed_layers": False,
                  "activation_checkpoint_interval": 0, "pipe_partitioned": True, "grad_partitioned": True},
-    "tensor_parallel": {"autotp_size": 0},
     "expert_parallel": _ENABLED_OFF,
     "compile": {"deepcompile": False},
     "hybrid_engine": _ENABLED_OFF,

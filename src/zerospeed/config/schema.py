@@ -30,6 +30,7 @@ from .sections import (
     TensorBoardConfig,
     WandbConfig,
 )
+from .tensor_parallel import TensorParallelConfig, tp_batch_problems
 from .zero import ZeroConfig
 
 __all__ = ["ZeroSpeedConfig", "DEFAULT_STEPS_PER_PRINT"]
@@ -117,6 +118,7 @@ class ZeroSpeedConfig(ConfigModel):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     aio: AIOConfig = Field(default_factory=AIOConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     vocabulary_size: Optional[int] = Field(None, gt=0)
@@ -152,6 +154,15 @@ class ZeroSpeedConfig(ConfigModel):
         sink = context.get("deferred_issues")
         dp = context.get("dp_world_size", 1)
         raw = [None if is_auto(data.get(k)) else data.get(k) for k in (TB, MB, GA)]
+        tp_block = data.get("tensor_parallel")
+        tp = tp_block.get("autotp_size", 0) if isinstance(tp_block, dict) else 0
+        if isinstance(tp, int) and tp > 1:  # the batch triple counts the data-parallel ranks: world / tp
+            if dp % tp:
+                issues.append(((("tensor_parallel", "autotp_size")), f"autotp_size={tp} does not divide the world "
+                               f"size {dp}; launch a multiple of {tp} ranks or choose a size that divides {dp}"))
+            else:
+                issues.extend(((), p) for p in tp_batch_problems(tuple(raw), dp, tp))
+                dp //= tp
         try:
             batch = resolve_batch(*raw, dp)
         except ConfigError as exc:
