@@ -27,8 +27,10 @@ from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
+from ..tensor_parallel import tensor_parallel_layers
 from .engine import ZeroSpeedEngine
 from .telemetry import Telemetry
+from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,23 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
                                  world=dist.get_world_size(group), param_bytes=itemsize)
 
 
+def _model_parallel_grads(model: nn.Module, mesh):
+    """How tensor parallelism splits the gradient (for the global norm), or None when nothing is sharded.
+    Sharded: the parameters of zerospeed's tensor-parallel layers, and those Megatron-LM marks
+    `tensor_model_parallel=True` (a user's mpu with Megatron layers, as DeepSpeed reads it)."""
+    if mesh.size("tensor") == 1:
+        return None
+    from ..zero.clipping import ModelParallelGrads
+
+    sharded = {id(getattr(layer, pn)) for _, layer in tensor_parallel_layers(model)
+               for pn, spec in layer.shard_specs.items() if spec is not None}
+    sharded |= {id(p) for p in model.parameters() if getattr(p, "tensor_model_parallel", False)}
+    if not sharded:  # replicas only: the data-parallel norm is already the global one
+        return None
+    return ModelParallelGrads(group=mesh.group("tensor"), size=mesh.size("tensor"),
+                              replicated=frozenset(id(p) for p in model.parameters() if id(p) not in sharded))
+
+
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
     """Monitors (rank 0 writes), the flops profiler and wall-clock timers, from their config blocks."""
     from ..checkpointing import configure as configure_checkpointing
@@ -252,6 +271,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt, model=model)
     _check_supported(cfg)
+    tp_plan = plan_tensor_parallel(cfg, model, mpu)
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
 
@@ -262,7 +282,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 
     init_distributed(dist_init_required=dist_init_required)
     # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
-    mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build()
+    mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size)
     group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)
@@ -272,6 +292,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     with torch.no_grad():  # every rank starts from global rank 0's (whole, unsharded) weights, as DeepSpeed does
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast(t.data, 0, group=None)
+    if tp_plan is not None:  # AutoTP: each rank keeps its shard of the planned layers
+        model_parameters = remap_parameters(shard_model(model, tp_plan, mesh), model_parameters, optimizer)
     policy = MixedPrecisionPolicy.from_precision(cfg.precision, cfg.communication_data_type)
     # bf16/fp16: cast the model; the strategy builds its fp32 masters from the original values
     original_values = policy.cast_module(model)
@@ -282,11 +304,14 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
+    for _, layer in tensor_parallel_layers(model):  # their all-reduces are counted with the others
+        layer.logger = logger
     offload = _build_offload(cfg, model, group, policy)
     strategy = build_strategy(cfg.zero_optimization.stage, module=model, optimizer=opt, group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
-                              logger=logger, policy=policy, master_values=original_values, offload=offload)
+                              logger=logger, policy=policy, master_values=original_values, offload=offload,
+                              model_parallel=_model_parallel_grads(model, mesh))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)

@@ -62,7 +62,8 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
     global step; after_forward(engine) / after_backward(engine): after each micro-batch's forward /
     backward (the latter before its `step()`). Ranks are data-parallel ranks (`engine.group`): the ranks of
     one model-parallel group (a mesh's tensor/pipe dimension) take the same micro-batches."""
-    rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+    group = getattr(engine, "group", None)  # a DeepSpeed engine (cross-checks): the world
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     gas = engine.gradient_accumulation_steps()
     losses = []
     for batch in batches:
@@ -76,7 +77,7 @@ def train_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *
                 after_backward(engine)
             engine.step()
             total += loss.item()
-        dist.all_reduce(total, group=engine.group)
+        dist.all_reduce(total, group=group)
         losses.append(float(total) / (gas * world))
         if on_step is not None:
             on_step(engine)
@@ -103,8 +104,10 @@ def train_lm_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
                     lrs: list | None = None) -> list[float]:
     """A Hugging Face causal LM (`engine(input_ids=x, labels=x).loss`, labels shifted inside the model):
     one step per global batch, this rank taking rows [r*B/N, (r+1)*B/N) of the inputs [B, T]; returns the
-    per-step loss averaged over the ranks (all-reduced). lrs: if given, receives `engine.get_lr()` per step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    per-step loss averaged over the ranks (all-reduced). Ranks are data-parallel ranks (`engine.group`): the
+    ranks of one tensor-parallel group take the same rows. lrs: if given, receives `engine.get_lr()` per step."""
+    group = getattr(engine, "group", None)  # a DeepSpeed engine (cross-checks): the world
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     losses = []
     for x, _ in batches:
         per = x.shape[0] // world
@@ -115,6 +118,6 @@ def train_lm_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
         if lrs is not None:
             lrs.append(engine.get_lr())
         t = loss.detach().double()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         losses.append(float(t) / world)
     return losses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,18 +43,34 @@ def sum_of_squares(tensors: list[torch.Tensor], block: int = NORM_BLOCK) -> torc
     return out
 
 
+@dataclass(frozen=True)
+class ModelParallelGrads:
+    """How a model-parallel (tensor-parallel) run splits the gradient across `group` (`size` ranks): every
+    parameter not in `replicated` is a disjoint shard per rank (its squares are summed over the group);
+    those in `replicated` are whole and identical on every rank of the group (their squares count once:
+    weighted 1/size before the sum). Built by `zerospeed.initialize` from the tensor-parallel layers."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    replicated: frozenset  # id() of the replicated parameters
+
+
 def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
-                  groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None) -> float:
+                  groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None,
+                  replicated: Sequence[torch.Tensor] = (), replicas: int = 1) -> float:
     """Global gradient 2-norm; clip `grads` in place to `max_norm` if it is > 0 and the norm is finite.
 
     grads: this rank's part of the gradient (any shapes/strides/dtypes, one device; padding must be
     zero), disjoint from the other ranks' parts over `groups`. groups: the process groups to sum the
     squares over, in turn (`None` = the default group, the world); empty: `grads` is the complete
     gradient on this rank and no collective runs. ZeRO stages 1-3 pass their partition/shards and
-    `(dp_group,)`; stage 0 its all-reduced gradients and `()`. A tensor-parallel run would pass its
-    local parts of sharded parameters (and the replicated parameters on one model-parallel rank
-    only, so each counts once) with `(dp_group, tp_group)`, and clip the replicated ones with the
-    returned norm. logger: counts the all-reduces.
+    `(dp_group,)`; stage 0 its all-reduced gradients and `()`. A tensor-parallel run appends the
+    tensor-parallel group and passes its replicated parameters' views as `replicated` (below), so a
+    sharded parameter counts as the sum over its shards and a replicated one once. logger: counts
+    the all-reduces. replicated / replicas: views (within `grads`) of
+    gradients that `replicas` ranks of the last group hold identically (a tensor-parallel run's
+    replicated parameters: norms, embeddings); their squares are weighted 1/replicas, so after the sum
+    over that group each counts once (`ModelParallelGrads`).
 
     Algorithm: `sum_of_squares` (fp32 norms of 64K-element pieces, summed in float64), one 1-element
     all-reduce per group, sqrt; clip coefficient min(1, max_norm / (norm + 1e-6)) in fp32, as
@@ -64,6 +81,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     group: every rank of it must call.
     """
     sq = sum_of_squares(grads)
+    if replicas > 1 and replicated:  # views into `grads` that `replicas` ranks of the last group hold alike
+        sq -= (1.0 - 1.0 / replicas) * sum_of_squares(list(replicated))
     for group in groups:
         all_reduce(sq, group=group, logger=logger)
     norm = math.sqrt(float(sq))

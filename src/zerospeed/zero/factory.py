@@ -13,7 +13,8 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
                    group: dist.ProcessGroup | None, zero_cfg, gradient_allreduce_op: str = "mean",
                    predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                    policy: MixedPrecisionPolicy | None = None,
-                   master_values: dict[int, torch.Tensor] | None = None, offload=None) -> ZeroStrategy:
+                   master_values: dict[int, torch.Tensor] | None = None, offload=None,
+                   model_parallel=None) -> ZeroStrategy:
     """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
 
     optimizer: the user's optimizer over the module's trainable parameters, in the user's param groups
@@ -21,10 +22,21 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     zero_cfg: the validated `zero_optimization` section (bucket sizes in elements, stage-3 knobs).
     policy: the mixed-precision policy (default fp32); the module must already be cast to
     `policy.param_dtype`. master_values: {id(param): original fp32 value} from
-    `MixedPrecisionPolicy.cast_module`, so the fp32 masters lose nothing at init. offload: an
+    `MixedPrecisionPolicy.cast_module`, so the fp32 masters lose nothing at init. model_parallel: a
+    `clipping.ModelParallelGrads` when tensor parallelism splits the gradient (the global norm then sums
+    over its group too), else None. offload: an
     `offload.OffloadContext` (stages >= 1; ZeRO-Offload / ZeRO-Infinity) or None.
     Raises NotImplementedError for a stage this version does not implement.
     """
+    strategy = _construct(stage, module=module, optimizer=optimizer, group=group, zero_cfg=zero_cfg,
+                          gradient_allreduce_op=gradient_allreduce_op, predivide_factor=predivide_factor,
+                          logger=logger, policy=policy, master_values=master_values, offload=offload)
+    strategy.model_parallel = model_parallel
+    return strategy
+
+
+def _construct(stage: int, *, module, optimizer, group, zero_cfg, gradient_allreduce_op, predivide_factor, logger,
+               policy, master_values, offload) -> ZeroStrategy:
     policy = policy or MixedPrecisionPolicy()
     params = [p for p in module.parameters() if p.requires_grad]
     bucket = int(zero_cfg.reduce_bucket_elements)  # unset: DDP's 25 MiB buckets (config/zero.py)

@@ -36,7 +36,6 @@ from ..offload.optimizer import SwappedOptimizer
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import fragments
 from . import stage3_context as ctx
-from .clipping import clip_and_norm
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .partition import plan_flat_partition
@@ -226,7 +225,7 @@ class Stage12Strategy(ZeroStrategy):
         g = self.grads.partition_grad
         if loss_scale != 1.0:
             g.mul_(1.0 / loss_scale)
-        return clip_and_norm([g], max_norm, groups=(self.group,), logger=self.logger)
+        return self._norm([g], max_norm, (self.group,))
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's partition gradient (first `limit`). Collective."""

@@ -33,7 +33,6 @@ from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_checkpoint as ckpt
 from . import stage3_context as ctx
-from .clipping import clip_and_norm
 from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
@@ -285,7 +284,10 @@ class Stage3Strategy(ZeroStrategy):
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        return clip_and_norm(grads, max_norm, groups=(self.group,), logger=self.logger)
+        return self._norm(grads, max_norm, (self.group,))
+
+    def managed_for_norm(self) -> list[torch.Tensor]:
+        return self.managed_parameters()
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""

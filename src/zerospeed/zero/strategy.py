@@ -36,7 +36,7 @@ from ..comm.logger import CommsLogger
 from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
 from . import fragments
 from . import stage3_context as ctx
-from .clipping import clip_and_norm
+from .clipping import ModelParallelGrads, clip_and_norm
 from .data_parallel import GradientAllReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
 from .partition import plan_one_chunk
@@ -56,6 +56,26 @@ class ZeroStrategy(abc.ABC):
     # reduce at every micro-step's backward, not only at the accumulation boundary (stage 2: gradients
     # are partitioned as they are produced, so they cannot accumulate locally)
     reduce_every_micro_step: bool = False
+    # tensor parallelism: how the gradient is split over the model-parallel group (set by build_strategy)
+    model_parallel: ModelParallelGrads | None = None
+
+    def _norm(self, grads: list[torch.Tensor], max_norm: float, groups: tuple) -> float:
+        """`clip_and_norm` of this rank's gradient parts `grads` (disjoint over `groups`), with the
+        tensor-parallel group appended and the replicated parameters' pieces (`reduced_grad_pieces`)
+        counted once when `model_parallel` is set."""
+        mp = self.model_parallel
+        if mp is None or mp.size == 1:
+            return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None))
+        replicated = []
+        for p in self.managed_for_norm():
+            if id(p) in mp.replicated and (where := self.locate(p)) is not None:
+                replicated += [t for _, _, t in self.reduced_grad_pieces(where[0]) or []]
+        return clip_and_norm(grads, max_norm, groups=(*groups, mp.group), logger=getattr(self, "logger", None),
+                             replicated=replicated, replicas=mp.size)
+
+    def managed_for_norm(self) -> list[torch.Tensor]:
+        """The trainable parameters whose gradients this strategy norms (default `self.params`)."""
+        return list(self.params)
 
     @property
     @abc.abstractmethod
@@ -305,7 +325,14 @@ class DataParallelStrategy(ZeroStrategy):
         grads = [m.grad for m in self.master_params if m.grad is not None]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        return clip_and_norm([g.view(-1) if g.is_contiguous() else g for g in grads], max_norm)
+        flat = [g.view(-1) if g.is_contiguous() else g for g in grads]
+        mp = self.model_parallel
+        if mp is None or mp.size == 1:
+            return clip_and_norm(flat, max_norm)
+        replicated = [m.grad for p, m in zip(self.params, self.master_params)
+                      if id(p) in mp.replicated and m.grad is not None]  # whole here: no writer slices
+        return clip_and_norm(flat, max_norm, groups=(mp.group,), logger=self.logger, replicated=replicated,
+                             replicas=mp.size)
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         self._link_master_grads()
