@@ -68,6 +68,42 @@ def test_mesh_groups_follow_deepspeed_rank_order():
         assert r["dp_only"] == (True, 4, 1)
 
 
+def expert_groups(rank, world):
+    res = {}
+    m = ParallelMesh.build(ep=2)
+    res["dp4ep2"] = {"expert": _members(m.group("expert")), "expert_data": _members(m.group("expert_data")),
+                     "ep": (m.get_expert_parallel_rank(), m.get_expert_parallel_world_size()),
+                     "edp": (m.get_expert_data_parallel_rank(), m.get_expert_data_parallel_world_size()),
+                     "size": (m.size("expert"), m.rank("expert_data")), "data": m.group("data") is None,
+                     "same": (m.get_expert_parallel_group() is m.group("expert"),
+                              m.get_expert_data_parallel_group() is m.group("expert_data"))}
+    m = ParallelMesh.build(tp=2, ep=2)  # ep = dp: the expert group is the data group
+    res["tp2ep2"] = {"expert": _members(m.group("expert")), "is_data": m.group("expert") is m.group("data"),
+                     "edp": (m.group("expert_data"), m.get_expert_data_parallel_world_size(),
+                             m.get_expert_data_parallel_rank())}
+    m = ParallelMesh.build()
+    res["ep1"] = (m.group("expert"), m.get_expert_parallel_world_size(), m.get_expert_data_parallel_world_size(),
+                  m.get_expert_data_parallel_rank())
+    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size dp=4"):
+        ParallelMesh.build(ep=3)
+    return res
+
+
+def test_expert_groups_carved_from_data_as_deepspeed():
+    """dp 4, ep 2: expert groups [0, 1], [2, 3] (consecutive data ranks), expert-data groups [0, 2], [1, 3]."""
+    res = run_distributed(expert_groups, 4)
+    for rank, r in enumerate(res):
+        a = r["dp4ep2"]
+        assert a["expert"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert a["expert_data"] == [rank % 2, rank % 2 + 2]
+        assert a["ep"] == (rank % 2, 2) and a["edp"] == (rank // 2, 2)
+        assert a["size"] == (2, rank // 2) and a["data"] and a["same"] == (True, True)
+        b = r["tp2ep2"]
+        assert b["expert"] == [rank % 2, rank % 2 + 2] and b["is_data"]
+        assert b["edp"] == (None, 1, 0)
+        assert r["ep1"] == (None, 1, 4, rank)
+
+
 def _config(stage, clip):
     return {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},

@@ -2,6 +2,7 @@
 import pytest
 
 from zerospeed.parallel import ParallelDims, PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from zerospeed.parallel.topology import expert_rank_lists
 
 
 def test_pipe_model_data_order_matches_deepspeed():
@@ -55,3 +56,40 @@ def test_parallel_dims():
         ParallelDims(dp=3, tp=2).resolve(4)
     with pytest.raises(ValueError, match=">= 1"):
         ParallelDims(tp=0).resolve(4)
+
+
+def test_expert_rank_lists_match_deepspeed():
+    # DeepSpeed's _get_expert_parallel_ranks docstring: world 16, model 2, ep 4
+    t = PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=8)
+    expert, expert_data = expert_rank_lists(t, 4)
+    assert expert == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert expert_data == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+    # _create_expert_and_data_parallel's legacy example: world 16, no model parallelism, ep 2
+    expert, expert_data = expert_rank_lists(PipeModelDataParallelTopology(1, 1, 16), 2)
+    assert expert == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert expert_data == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    # world 4 = dp 4, ep 2 (tests/dist/test_mesh.py)
+    assert expert_rank_lists(PipeModelDataParallelTopology(1, 1, 4), 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    # pipeline stages carve their own: pp 2 x dp 2, ep 2
+    assert expert_rank_lists(PipeModelDataParallelTopology(2, 1, 2), 2) == ([[0, 1], [2, 3]], [[0], [1], [2], [3]])
+    # ep 1 and ep = dp: trivial expert groups and the data groups
+    t = PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2)
+    assert expert_rank_lists(t, 1) == ([[0], [2], [1], [3]], [[0, 2], [1, 3]])
+    assert expert_rank_lists(t, 2) == ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
+    for ep in (1, 2, 4, 8):
+        for lists in expert_rank_lists(PipeModelDataParallelTopology(2, 2, 8), ep):
+            assert sorted(r for lst in lists for r in lst) == list(range(32))
+    with pytest.raises(ValueError, match=r"ep=3 .* dp=8; choose ep among \[1, 2, 4, 8\]"):
+        expert_rank_lists(PipeModelDataParallelTopology(1, 2, 8), 3)
+    with pytest.raises(ValueError, match="no"):
+        expert_rank_lists(ProcessTopology(["pipe"], [2]), 1)
+
+
+def test_parallel_dims_expert():
+    assert ParallelDims(ep=2).resolve(4) == ParallelDims(dp=4, tp=1, pp=1, ep=2)
+    assert ParallelDims(ep=2).resolve(4).sizes() == {"data": 4, "tensor": 1, "pipe": 1, "model": 1, "expert": 2,
+                                                     "expert_data": 2}
+    with pytest.raises(ValueError, match="ep=3 does not divide the data-parallel size dp=2"):
+        ParallelDims(tp=2, ep=3).resolve(4)
+    with pytest.raises(ValueError, match="ep=0"):
+        ParallelDims(ep=0).resolve(4)

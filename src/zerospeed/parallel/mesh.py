@@ -9,14 +9,20 @@ feature takes its sub-group from here by name instead of building groups of its 
     "tensor"  tensor (model) parallelism: the all-reduces inside a layer (Megatron-LM)
     "pipe"    pipeline stages: point-to-point activations between neighbours
     "model"   every non-data dimension (tensor x pipe): ranks that hold different parts of one replica
+    "expert"       ep consecutive data-parallel ranks: the ranks that hold different experts (MoE all-to-all)
+    "expert_data"  the data ranks at the same place of every expert group: one expert's replicas
 
 A `ParallelMesh` is also a Megatron-style `mpu` (`get_data_parallel_group()`, ...), the object
 `zerospeed.initialize(mpu=...)` takes, and `ParallelMesh.from_mpu` wraps a user's own mpu (Megatron-LM's
 `parallel_state`, DeepSpeed's `PipelineParallelGrid`) into the same interface, as DeepSpeed accepts one.
 
-Group conventions: a group argument of None means the whole world (torch's default group). When the data
-group spans the world (tp = pp = 1) it *is* None, so data-parallel-only runs use exactly the collectives
-they always did and no extra group is created.
+The expert groups are carved from each data-parallel group as DeepSpeed carves them
+(`topology.expert_rank_lists`): with dp 4, ep 2 and no model parallelism, "expert" is [0, 1], [2, 3] and
+"expert_data" is [0, 2], [1, 3].
+
+Group conventions: a group argument of None means the whole world (torch's default group). When a group
+spans the world (the data group when tp = pp = 1) it *is* None, so data-parallel-only runs use exactly
+the collectives they always did and no extra group is created.
 """
 from __future__ import annotations
 
@@ -24,11 +30,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .topology import PipeModelDataParallelTopology
+from .topology import PipeModelDataParallelTopology, expert_rank_lists
 
 __all__ = ["ParallelDims", "ParallelMesh", "MpuError", "MPU_REQUIRED"]
 
 MESH_DIMS = ("pipe", "data", "tensor")
+GROUP_NAMES = ("data", "tensor", "pipe", "model", "expert", "expert_data")
 
 
 class MpuError(TypeError):
@@ -37,16 +44,23 @@ class MpuError(TypeError):
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the parallel dimensions. dp=-1 means "the rest of the world": world / (tp x pp)."""
+    """Sizes of the parallel dimensions. dp=-1 means "the rest of the world": world / (tp x pp).
+    ep: the expert-parallel size, carved from dp (it must divide dp); the expert-data size is dp / ep."""
 
     dp: int = -1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        """Ranks along each named group (dp resolved first): data, tensor, pipe, model, expert, expert_data."""
+        return {"data": self.dp, "tensor": self.tp, "pipe": self.pp, "model": self.tp * self.pp,
+                "expert": self.ep, "expert_data": self.dp // self.ep}
 
     def resolve(self, world_size: int) -> "ParallelDims":
-        """The dims with dp filled in. Raises ValueError when a size is < 1 or dp x tp x pp != world_size,
-        naming the numbers and the sizes that would fit."""
-        for name in ("tp", "pp"):
+        """The dims with dp filled in. Raises ValueError when a size is < 1, dp x tp x pp != world_size or ep
+        does not divide dp, naming the numbers and the sizes that would fit."""
+        for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: parallel sizes must be >= 1")
         model = self.tp * self.pp
@@ -58,7 +72,11 @@ class ParallelDims:
         if dp < 1 or dp * model != world_size:
             raise ValueError(f"data x tensor x pipeline parallel size {dp} x {self.tp} x {self.pp} = "
                              f"{dp * model} != world size {world_size}; use dp={world_size // model} (or dp=-1)")
-        return ParallelDims(dp=dp, tp=self.tp, pp=self.pp)
+        if dp % self.ep:
+            raise ValueError(f"the expert-parallel size ep={self.ep} does not divide the data-parallel size dp={dp} "
+                             f"(world {world_size} / tensor {self.tp} x pipeline {self.pp}); expert groups are carved "
+                             f"from the data-parallel ranks: choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
+        return ParallelDims(dp=dp, tp=self.tp, pp=self.pp, ep=self.ep)
 
 
 # what zerospeed calls on a user's mpu: (method, what it is for)
@@ -73,28 +91,33 @@ class ParallelMesh:
     `torch.distributed` is initialised) or `ParallelMesh.from_mpu(mpu)`. Attributes: dims
     (ParallelDims), topology (PipeModelDataParallelTopology, or None for a user's mpu), device_mesh
     (the DeviceMesh, or None when every dimension but data has size 1, or for a user's mpu).
-    `group(name)` gives the process group of "data", "tensor", "pipe" or "model" (None: the whole
-    world, or no group at all for a dimension of size 1: check `size(name)`).
+    `group(name)` gives the process group of "data", "tensor", "pipe", "model", "expert" or "expert_data"
+    (None: the whole world, or no group at all for a dimension of size 1: check `size(name)`).
     """
 
     def __init__(self, dims: ParallelDims, groups: dict, *, topology=None, device_mesh=None):
         self.dims, self.topology, self.device_mesh = dims, topology, device_mesh
         self._groups = dict(groups)
+        self._sizes = dims.sizes()
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def build(cls, *, tp: int = 1, pp: int = 1, dp: int = -1, device_type: str | None = None) -> "ParallelMesh":
-        """The mesh for this world. Collective. device_type: the DeviceMesh's device type (default: this
-        rank's accelerator, as `comm.init.default_device`). Raises ValueError for sizes that do not
-        multiply to the world size, RuntimeError if torch.distributed is not initialised."""
+    def build(cls, *, tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1,
+              device_type: str | None = None) -> "ParallelMesh":
+        """The mesh for this world. Collective: every rank calls it and creates every group, in the same
+        order. ep: the expert-parallel size, carved from the data-parallel ranks (`expert_rank_lists`).
+        device_type: the DeviceMesh's device type (default: this rank's accelerator, as
+        `comm.init.default_device`). Raises ValueError for sizes that do not multiply to the world size
+        or an ep that does not divide dp, RuntimeError if torch.distributed is not initialised."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh.build() needs torch.distributed initialised first "
                                "(zerospeed.comm.init_distributed(), or torchrun + dist.init_process_group)")
         world = dist.get_world_size()
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp).resolve(world)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep).resolve(world)
         topo = PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp)
-        if dims.tp == dims.pp == 1:  # data parallelism only: the world group, no new groups
-            return cls(dims, {"data": None, "tensor": None, "pipe": None, "model": None}, topology=topo)
+        if dims.tp == dims.pp == 1:  # data parallelism only: the world group, no new groups (but the expert ones)
+            groups = {"data": None, "tensor": None, "pipe": None, "model": None}
+            return cls(dims, {**groups, **_expert_groups(topo, dims, None)}, topology=topo)
         from torch.distributed.device_mesh import init_device_mesh
 
         if device_type is None:
@@ -109,6 +132,7 @@ class ParallelMesh:
             groups["model"] = dist.new_subgroups_by_enumeration(lists)[0]
         else:
             groups["model"] = groups["tensor"] if dims.tp > 1 else groups["pipe"]
+        groups.update(_expert_groups(topo, dims, groups["data"]))
         return cls(dims, groups, topology=topo, device_mesh=mesh)
 
     @classmethod
@@ -137,6 +161,7 @@ class ParallelMesh:
         data = mpu.get_data_parallel_group()
         groups = {"data": None if dp == world else data, "tensor": tensor if tp > 1 else None,
                   "pipe": pipe if pp > 1 else None, "model": model if size(model) > 1 else None}
+        groups.update(expert=None, expert_data=groups["data"])  # no expert parallelism (ep 1) over a user's mpu
         if dp * size(groups["model"]) != world:
             raise MpuError(f"the mpu's data-parallel size {dp} x model-parallel size {size(model)} != world size "
                            f"{world}; every rank must be in exactly one data-parallel and one model-parallel group")
@@ -144,8 +169,8 @@ class ParallelMesh:
 
     # -- queries ------------------------------------------------------------------------------
     def group(self, name: str):
-        """The process group along `name` ("data", "tensor", "pipe", "model"); None = the world when the
-        dimension spans it, or no group when its size is 1. Raises KeyError for another name."""
+        """The process group along `name` ("data", "tensor", "pipe", "model", "expert", "expert_data"); None =
+        the world when the dimension spans it, or no group when its size is 1. Raises KeyError for another name."""
         if name not in self._groups:
             raise KeyError(f"no parallel dimension {name!r}; the mesh has {sorted(self._groups)}")
         return self._groups[name]
@@ -154,19 +179,19 @@ class ParallelMesh:
         """Ranks along `name` (1 for a dimension not in use)."""
         g = self.group(name)
         if g is None:
-            return dist.get_world_size() if name == "data" and self.dims.dp > 1 else 1
+            return dist.get_world_size() if self._sizes[name] > 1 else 1
         return dist.get_world_size(g)
 
     def rank(self, name: str) -> int:
         """This rank's index along `name` (0 for a dimension not in use)."""
         g = self.group(name)
         if g is None:
-            return dist.get_rank() if name == "data" and self.dims.dp > 1 else 0
+            return dist.get_rank() if self._sizes[name] > 1 else 0
         return dist.get_rank(g)
 
     def __repr__(self) -> str:
         d = self.dims
-        return f"ParallelMesh(pp={d.pp}, dp={d.dp}, tp={d.tp})"
+        return f"ParallelMesh(pp={d.pp}, dp={d.dp}, tp={d.tp}" + (f", ep={d.ep})" if d.ep > 1 else ")")
 
     # -- Megatron-style mpu interface ---------------------------------------------------------
     def get_data_parallel_group(self):
@@ -209,3 +234,34 @@ class ParallelMesh:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.size("pipe")
+
+    def get_expert_parallel_group(self):
+        return self.group("expert")
+
+    def get_expert_parallel_rank(self) -> int:
+        return self.rank("expert")
+
+    def get_expert_parallel_world_size(self) -> int:
+        return self.size("expert")
+
+    def get_expert_data_parallel_group(self):
+        return self.group("expert_data")
+
+    def get_expert_data_parallel_rank(self) -> int:
+        return self.rank("expert_data")
+
+    def get_expert_data_parallel_world_size(self) -> int:
+        return self.size("expert_data")
+
+
+def _expert_groups(topo, dims: ParallelDims, data_group) -> dict:
+    """The "expert" and "expert_data" groups (collective: the same new groups in the same order on every
+    rank). A group of the data group's size is the data group; a group of size 1 is None; otherwise one
+    `new_subgroups_by_enumeration` per kind over `expert_rank_lists`, the expert groups first."""
+    if dims.ep == 1:
+        return {"expert": None, "expert_data": data_group}
+    if dims.ep == dims.dp:
+        return {"expert": data_group, "expert_data": None}
+    expert, expert_data = expert_rank_lists(topo, dims.ep)
+    return {"expert": dist.new_subgroups_by_enumeration(expert)[0],
+            "expert_data": dist.new_subgroups_by_enumeration(expert_data)[0]}

@@ -14,7 +14,7 @@ import itertools
 import math
 from collections import namedtuple
 
-__all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology"]
+__all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "expert_rank_lists"]
 
 
 class ProcessTopology:
@@ -121,3 +121,32 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+def expert_rank_lists(topology: ProcessTopology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel and expert-data-parallel rank lists carved from the "data" axis of `topology`.
+
+    Each data-parallel group (`get_axis_comm_lists("data")`, in data order) is cut into dp/ep runs of `ep`
+    consecutive data ranks: each run is an expert-parallel group (the ranks that hold different experts
+    and exchange tokens all-to-all); the ranks at the same position of every run form an
+    expert-data-parallel group (the replicas of one expert, over which its gradients are reduced).
+    DeepSpeed's `deepspeed.utils.groups._get_expert_parallel_ranks` (the "E + M + D" layout used with an
+    mpu, `use_data_before_expert_parallel_=False`), e.g. pipe 1, data 8, model 2, ep 4:
+    expert [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]],
+    expert_data [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]].
+
+    Returns (expert lists, expert-data lists); each partitions the ranks. Raises ValueError when the
+    topology has no "data" axis, ep < 1, or ep does not divide the data-parallel size.
+    """
+    if "data" not in topology.axes:
+        raise ValueError(f"expert groups are carved from the data axis; the topology {topology} has none")
+    dp = topology.get_dim("data")
+    if ep < 1 or dp % ep:
+        raise ValueError(f"the expert-parallel size ep={ep} must be >= 1 and divide the data-parallel size "
+                         f"dp={dp}; choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
+    expert, expert_data = [], []
+    for data_ranks in topology.get_axis_comm_lists("data"):
+        runs = [data_ranks[i:i + ep] for i in range(0, dp, ep)]
+        expert.extend(runs)
+        expert_data.extend([list(pos) for pos in zip(*runs)])
+    return expert, expert_data
