@@ -11,6 +11,10 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
         from . import runtime
 
         return getattr(runtime, name)
+    if name == "tp_model_init":  # `zerospeed.tp_model_init(model, tp_size, dtype)` as `deepspeed.tp_model_init`
+        from .runtime.tp_init import tp_model_init
+
+        return tp_model_init
     if name == "init_distributed":
         from .comm import init_distributed
 
@@ -30,4 +34,4 @@ _SUBPACKAGES = ("accelerator", "zero", "checkpointing", "comm", "config", "offlo
                 "testing")
 
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "ZeroSpeedEngine", "__version__"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "tp_model_init", "ZeroSpeedEngine", "__version__"]

@@ -30,6 +30,7 @@ from .dataloader import build_dataloader
 from ..tensor_parallel import tensor_parallel_layers
 from .engine import ZeroSpeedEngine
 from .telemetry import Telemetry
+from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
 
 log = logging.getLogger(__name__)
@@ -268,10 +269,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if model is None:
         raise TypeError("initialize() needs model=<torch.nn.Module>")
     source = _config_source(args, config, config_params)
+    tp_mesh = sharded_mesh(model)  # zerospeed.tp_model_init sharded the model: its mesh, its autotp_size
+    if tp_mesh is not None:
+        source, mpu = merge_tp_model_init(source, model, tp_mesh, mpu), None
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt, model=model)
     _check_supported(cfg)
-    tp_plan = plan_tensor_parallel(cfg, model, mpu)
+    tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
 
@@ -282,16 +286,22 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 
     init_distributed(dist_init_required=dist_init_required)
     # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
-    mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size)
+    if tp_mesh is not None:
+        mesh = tp_mesh
+    else:
+        mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size)
     group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     model.to(device)
-    with torch.no_grad():  # every rank starts from global rank 0's (whole, unsharded) weights, as DeepSpeed does
+    # every rank starts from global rank 0's (whole, unsharded) weights, as DeepSpeed does; a model tp_model_init
+    # sharded (after the same broadcast) from its data-parallel rank 0's shards
+    source_group = None if tp_mesh is None else mesh.group("data")
+    with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            broadcast(t.data, 0, group=None)
+            broadcast(t.data, 0, group=source_group)
     if tp_plan is not None:  # AutoTP: each rank keeps its shard of the planned layers
         model_parameters = remap_parameters(shard_model(model, tp_plan, mesh), model_parameters, optimizer)
     policy = MixedPrecisionPolicy.from_precision(cfg.precision, cfg.communication_data_type)

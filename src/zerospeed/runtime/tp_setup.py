@@ -21,8 +21,9 @@ def plan_tensor_parallel(cfg, model: nn.Module, mpu):
         raise ConfigError("tensor_parallel.autotp_size and initialize(mpu=...) both define the model-parallel "
                           "groups; use one (AutoTP builds its own mesh)")
     if any(True for _ in tensor_parallel_layers(model)):
-        raise ConfigError("the model already has tensor-parallel layers (tp_model_init ran): remove "
-                          "tensor_parallel.autotp_size from the config or build the model without tp_model_init")
+        raise ConfigError("the model already has tensor-parallel layers, but not from zerospeed.tp_model_init (whose "
+                          "mesh initialize would reuse): remove tensor_parallel.autotp_size from the config and pass "
+                          "the mesh the layers were built over as mpu=..., or let AutoTP shard the unmodified model")
     try:
         check_divisible(model, tp)
         return plan_for_model(model, preset_model=cfg.tensor_parallel.preset_model,
