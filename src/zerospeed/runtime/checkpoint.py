@@ -47,6 +47,12 @@ class CheckpointTagMismatchError(CheckpointError):
 
 
 # -- collectives ----------------------------------------------------------------------------------------
+def _group(engine):
+    """The ranks that write and read a checkpoint together: the data-parallel group, or the whole world
+    under tensor parallelism (every tensor-parallel rank writes its own shards' fragments)."""
+    return None if getattr(engine, "tp_translation", None) is not None else engine.group
+
+
 def _all_gather_object(obj: Any, group) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     with record_function("zerospeed::checkpoint_all_gather_object"):
@@ -114,7 +120,7 @@ def module_extras(module, *, exclude_frozen: bool = False) -> list[tuple[str, to
 def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_frozen: bool):
     """Write this rank's file; returns (its index metadata, engine_state on rank 0 else None)."""
     entries, frags, scalars, elem, scal = [], [], [], {}, {}
-    for f in engine.strategy.owned_fragments(engine.module):
+    for f in engine.strategy.owned_fragments(engine.module, getattr(engine, "tp_translation", None)):
         n = f.end - f.start
         entries.append((fragment_key(f.name, "master", f.start), f.master.dtype, (n,), lambda t=f.master: t))
         for k, v in f.states.items():
@@ -144,7 +150,7 @@ def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_
 def _build_index(engine, tag: str, metas: list[dict], exclude_frozen: bool) -> dict[str, Any]:
     world = len(metas)
     tensors: dict[str, dict[str, Any]] = {}
-    for lp in engine.strategy.logical_params(engine.module):
+    for lp in engine.strategy.logical_params(engine.module, getattr(engine, "tp_translation", None)):
         tensors[lp.name] = {"kind": "param", "shape": list(lp.shape), "dtype": dtype_code(lp.dtype),
                             "aliases": list(lp.aliases), "fragments": [], "scalar_rank": None}
     for r, meta in enumerate(metas):
@@ -211,7 +217,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     (tags differ and checkpoint.tag_validation is "Fail"), ValueError (bad tag), TypeError
     (client_state), CheckpointError naming the failed rank; on any error nothing is committed.
     """
-    group = engine.group
+    group = _group(engine)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mode = getattr(engine, "checkpoint_tag_validation", "Warn")
     tag = _agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", mode, group)
@@ -273,7 +279,7 @@ def _match_model(engine, index: dict[str, Any], strict: bool) -> dict[str, str]:
     by_name = {n: n for n in stored}
     by_name.update({a: n for n, e in stored.items() for a in e.get("aliases", [])})
     current = [(lp.name, (lp.name, *lp.aliases), lp.shape, "param")
-               for lp in engine.strategy.logical_params(engine.module)]
+               for lp in engine.strategy.logical_params(engine.module, getattr(engine, "tp_translation", None))]
     current += [(n, (n,), tuple(t.shape), kind) for n, t, kind in module_extras(engine.module)]
     lookup, missing, shapes, used = {}, [], [], set()
     for name, names, shape, kind in current:
@@ -322,7 +328,8 @@ def _load_local(engine, tag_dir: Path, *, strict: bool, optimizer_states: bool, 
         check_group_members(state.get("optimizer_param_group_names"), getattr(engine, "param_group_names", None))
     with CheckpointReader(tag_dir, index) as reader:
         model_reader = _ModelReader(reader, lookup)
-        engine.strategy.load_owned_fragments(engine.module, model_reader, optimizer_states=optimizer_states)
+        engine.strategy.load_owned_fragments(engine.module, model_reader, optimizer_states=optimizer_states,
+                                             translate=getattr(engine, "tp_translation", None))
         with torch.no_grad():
             for name, t, _ in module_extras(engine.module):
                 if name in lookup:
@@ -331,7 +338,7 @@ def _load_local(engine, tag_dir: Path, *, strict: bool, optimizer_states: bool, 
             return {}
         client_state = restore_engine_state(engine, state, lambda k: reader.extra(0, k),
                                             load_optimizer_states=optimizer_states, load_lr_scheduler_states=scheduler)
-        rank, world = dist.get_rank(engine.group), dist.get_world_size(engine.group)
+        rank, world = dist.get_rank(_group(engine)), dist.get_world_size(_group(engine))
         if index["world_size"] == world:
             f = reader.file(rank)
             restore_rng(lambda k: reader.extra(rank, k), set(f.tensors), f.metadata)
@@ -363,7 +370,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     CheckpointFileError (a missing, truncated or corrupt file, named), CheckpointTagMismatchError,
     CheckpointError naming the rank that failed; on every rank.
     """
-    group = engine.group
+    group = _group(engine)
     load_dir = Path(load_dir)
     if tag is None:
         latest = load_dir / LATEST

@@ -131,6 +131,9 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     Raises CheckpointError on every rank if rank 0 could not write.
     """
     module, strategy, group = engine.module, engine.strategy, engine.group
+    tp = getattr(engine, "tp_translation", None)
+    if tp is not None:  # every rank takes part in the tensor-parallel gathers; global rank 0 writes
+        group = None
     rank = dist.get_rank(group)
     items = []  # (key, tensor)
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -140,6 +143,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     path = Path(save_dir) / save_filename
     own = None
     with strategy.full_values([t for _, t in items]) as full:  # stage 3: one unit gathered at a time
+        if tp is not None:
+            full = _TensorParallelValues(full, [t for _, t in items], tp)
         walk = [(items[i][0], items[i][1], i) for i in full.order]
         try:
             if rank == 0:
@@ -159,3 +164,29 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     errors = _all_gather_object(None if own is None else (type(own).__name__, str(own)), group)
     _raise_gathered(errors, own, f"save_16bit_model to {path}")
     return True
+
+
+class _TensorParallelValues:
+    """`FullValues` of tensor-parallel shards: value(i) all-gathers tensor i's shards over the tensor group
+    and assembles the full tensor (`TPTranslation.gather_full`); shape(i) is the full shape. Every rank
+    must read the same tensors in the same order: finish() reads the ones not read yet."""
+
+    def __init__(self, full, tensors, tp):
+        self.full, self.tensors, self.tp = full, tensors, tp
+        self.order = full.order
+        self._done: set[int] = set()
+
+    def shape(self, i: int):
+        shape = tuple(self.full.shape(i))
+        hit = self.tp._by_id.get(id(self.tensors[i]))
+        return hit[1] if hit else shape
+
+    def value(self, i: int) -> torch.Tensor:
+        self._done.add(i)
+        return self.tp.gather_full(self.tensors[i], self.full.value(i))
+
+    def finish(self) -> None:
+        for i in self.order:
+            if i not in self._done:
+                self.value(i)
+        self.full.finish()

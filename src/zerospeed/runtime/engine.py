@@ -73,6 +73,7 @@ class ZeroSpeedEngine(nn.Module):
         # the named sub-groups (parallel.ParallelMesh, also the `mpu`); group is its "data" group
         self.mesh = self.mpu = mesh
         self.mp_world_size = mesh.size("model") if mesh is not None else 1
+        self.tp_translation = None  # runtime.checkpoint_tp.TPTranslation under AutoTP (set by initialize)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -269,7 +270,7 @@ class ZeroSpeedEngine(nn.Module):
         different shards, but loadable only at the same model-parallel size), and the outcome is agreed
         over the whole world: CheckpointError on every rank if any group failed. Loading a directory
         saved without that sub-directory raises CheckpointError naming the sizes."""
-        if self.mp_world_size == 1:
+        if self.mp_world_size == 1 or self.tp_translation is not None:  # AutoTP: full tensors, one directory
             return run(directory)
         from pathlib import Path
 
@@ -296,7 +297,7 @@ class ZeroSpeedEngine(nn.Module):
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py)."""
-        if self.mp_world_size > 1:  # rank 0 would write its own shards only (DeepSpeed's AutoTP defect)
+        if self.mp_world_size > 1 and self.tp_translation is None:  # rank 0 would write its own shards only
             raise NotImplementedError(f"save_16bit_model with model parallelism (model-parallel size "
                                       f"{self.mp_world_size}) is not supported yet: it would write one model "
                                       "rank's tensors; use engine.save_checkpoint")

@@ -342,6 +342,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
+    if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):
+        # checkpoints and save_16bit_model write full tensors, not shards
+        from .checkpoint_tp import TPTranslation
+
+        engine.tp_translation = TPTranslation(model, mesh)
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

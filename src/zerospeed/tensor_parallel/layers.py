@@ -101,7 +101,8 @@ class _ParallelLinear(nn.Module):
     ([in, out], y = x W + b), built from the full module by `from_module`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, transposed: bool, group,
-                 specs: dict[str, ShardSpec | None], in_features: int, out_features: int, name: str = ""):
+                 specs: dict[str, ShardSpec | None], in_features: int, out_features: int, name: str = "",
+                 full_shapes: dict[str, tuple] | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias.requires_grad)
@@ -109,6 +110,8 @@ class _ParallelLinear(nn.Module):
         self.logger = None  # the engine's CommsLogger, set by zerospeed.initialize
         self.in_features, self.out_features = in_features, out_features  # the full layer's
         self.shard_specs = {k: v for k, v in specs.items() if k != "bias" or bias is not None}
+        # the full (unsharded) shape of each parameter: what checkpoints and save_16bit_model write
+        self.full_shapes = dict(full_shapes or {})
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight if self.transposed else x @ self.weight.t()
@@ -116,6 +119,10 @@ class _ParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (full), "
                 f"local weight {tuple(self.weight.shape)}, tp={next(iter(self.shard_specs.values())).tp}")
+
+
+def _shapes(w: torch.Tensor, b: torch.Tensor | None) -> dict[str, tuple]:
+    return {"weight": tuple(w.shape), **({} if b is None else {"bias": tuple(b.shape)})}
 
 
 def _full_module_parts(module: nn.Module):
@@ -148,7 +155,7 @@ class ColumnParallelLinear(_ParallelLinear):
             weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
             bias = None if b is None else shard_tensor(b.detach(), bspec).requires_grad_(b.requires_grad)
         return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": bspec},
-                   in_features=n_in, out_features=n_out, name=name)
+                   in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -170,7 +177,7 @@ class RowParallelLinear(_ParallelLinear):
             weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
             bias = None if b is None else b.detach().clone().requires_grad_(b.requires_grad)
         return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": None},
-                   in_features=n_in, out_features=n_out, name=name)
+                   in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
 
 
 def tensor_parallel_layers(module: nn.Module):
@@ -178,3 +185,31 @@ def tensor_parallel_layers(module: nn.Module):
     for name, m in module.named_modules():
         if isinstance(m, _ParallelLinear):
             yield name, m
+
+
+def shard_pieces(spec: ShardSpec, full_shape, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Where elements [start, end) of a flattened local shard lie in the flattened full tensor: a list of
+    (local offset, full offset, length) runs, in local order, covering [start, end) exactly.
+
+    The shard of `full_shape` (dimension `spec.dim` cut into blocks x tp parts, `shard_tensor`) is, per index
+    of the dimensions before `dim` and per block, one contiguous run of (size / (blocks x tp)) x inner
+    elements in both tensors: a dim-0 shard without fused blocks is a single run (Megatron's column-parallel
+    [out, in] weight), a dim-1 shard one run per row (row-parallel). Pure."""
+    full_shape = tuple(full_shape)
+    spec.check(full_shape)
+    inner = 1
+    for s in full_shape[spec.dim + 1:]:
+        inner *= s
+    size = full_shape[spec.dim]
+    per_block = size // spec.blocks
+    m = per_block // spec.tp  # indices per rank per block
+    run = m * inner  # elements of one run
+    out = []
+    if run == 0 or end <= start:
+        return out
+    for r in range(start // run, (end - 1) // run + 1):
+        outer, block = divmod(r, spec.blocks)
+        full_run = (outer * size + block * per_block + spec.rank * m) * inner
+        lo, hi = max(start, r * run), min(end, (r + 1) * run)
+        out.append((lo, full_run + lo - r * run, hi - lo))
+    return out

@@ -139,10 +139,15 @@ def segment_slots(segments, tensors: list[torch.Tensor], pieces) -> list[Slot]:
 
 
 # -- stage-independent: the ZeroStrategy checkpoint methods (strategy.py) delegate here ----------------
-def logical_params(strategy, module: nn.Module) -> list[LogicalParam]:
-    """Every trainable parameter, canonical order (same on every rank)."""
+def logical_params(strategy, module: nn.Module, translate=None) -> list[LogicalParam]:
+    """Every trainable parameter, canonical order (same on every rank). translate: a tensor-parallel
+    translation (`runtime.checkpoint_tp.TPTranslation`: `full_shape(name, shape)`, `frags(frags, load=)`)
+    whose full shapes replace the local shard shapes, or None."""
     names = param_names(module)
-    return [logical(names, p, shape, dtype) for p, shape, dtype in strategy.checkpoint_params()]
+    out = [logical(names, p, shape, dtype) for p, shape, dtype in strategy.checkpoint_params()]
+    if translate is not None:
+        out = [LogicalParam(lp.name, lp.aliases, translate.full_shape(lp.name, lp.shape), lp.dtype) for lp in out]
+    return out
 
 
 def split_state(strategy, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -166,12 +171,13 @@ def split_state(strategy, local: torch.Tensor) -> tuple[dict[str, torch.Tensor],
     return elem, scal
 
 
-def owned_fragments(strategy, module: nn.Module) -> Iterator[OwnedFragment]:
+def owned_fragments(strategy, module: nn.Module, translate=None) -> Iterator[OwnedFragment]:
     """Everything this rank owns, as disjoint fragments: over all ranks they cover each element of
-    every logical master / elementwise state exactly once."""
+    every logical master / elementwise state exactly once (translate: see `logical_params`)."""
     for slot in strategy.checkpoint_slots(param_names(module), load=False):
         elem, scal = split_state(strategy, slot.local)
-        for lp, start, end, take in slot.frags:
+        frags = slot.frags if translate is None else translate.frags(slot.frags, load=False)
+        for lp, start, end, take in frags:
             yield OwnedFragment(lp.name, lp.shape, start, end, take(slot.local.detach()),
                                 {k: take(v) for k, v in elem.items()}, dict(scal) if start == 0 else {})
 
@@ -181,7 +187,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor | None) -> None:
         dst.copy_(src)
 
 
-def load_owned_fragments(strategy, module: nn.Module, reader: FragmentReader, *, optimizer_states: bool = True) -> None:
+def load_owned_fragments(strategy, module: nn.Module, reader: FragmentReader, *, optimizer_states: bool = True,
+                         translate=None) -> None:
     """Fill this rank's masters (and, if `optimizer_states` and the checkpoint has them, its optimizer
     states, creating them when the optimizer has not stepped yet) from `reader`. Local only: call
     `refresh_params_from_master()` (collective) afterwards."""
@@ -190,6 +197,8 @@ def load_owned_fragments(strategy, module: nn.Module, reader: FragmentReader, *,
     with torch.no_grad():
         for slot in strategy.checkpoint_slots(param_names(module), load=True):
             local = slot.local.detach()
+            if translate is not None:
+                slot = Slot(slot.local, translate.frags(slot.frags, load=True))
             for lp, start, end, take in slot.frags:
                 _copy(take(local), reader.read(lp.name, "master", start, end))
             if not states:

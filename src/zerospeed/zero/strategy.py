@@ -158,26 +158,28 @@ class ZeroStrategy(abc.ABC):
         collective); stage 3 overrides it (gathers one unit at a time, collective)."""
         return FullValues(tensors)
 
-    def logical_params(self, module) -> list:
+    def logical_params(self, module, translate=None) -> list:
         """Every trainable parameter of `module` as a `fragments.LogicalParam` (canonical name, aliases,
         full shape, master dtype), in the same order on every rank. Local."""
         self._check_checkpointable()
-        return fragments.logical_params(self, module)
+        return fragments.logical_params(self, module, translate)
 
-    def owned_fragments(self, module):
+    def owned_fragments(self, module, translate=None):
         """Yield a `fragments.OwnedFragment` (param name, global shape, flat [start, end), 1-D views of
         the fp32 master and of each same-shape optimizer state, 0-d states on the start == 0 fragment)
         for everything this rank owns; over all ranks they cover every element exactly once
         (stage 0 splits the replicated state into N contiguous slices to spread the writing). Local."""
         self._check_checkpointable()
-        return fragments.owned_fragments(self, module)
+        return fragments.owned_fragments(self, module, translate)
 
-    def load_owned_fragments(self, module, reader, *, optimizer_states: bool = True) -> None:
+    def load_owned_fragments(self, module, reader, *, optimizer_states: bool = True, translate=None) -> None:
         """Fill the masters this rank holds now (stage 0: all of them) and, if `optimizer_states`, the
         optimizer states (created if the optimizer has not stepped) from `reader`, any flat range of
-        any logical tensor (`fragments.FragmentReader`). Local: call refresh_params_from_master() next."""
+        any logical tensor (`fragments.FragmentReader`). Local: call refresh_params_from_master() next.
+        translate (here and in logical_params / owned_fragments): tensor-parallel shard -> full-tensor
+        coordinates (`runtime.checkpoint_tp.TPTranslation`), or None."""
         self._check_checkpointable()
-        fragments.load_owned_fragments(self, module, reader, optimizer_states=optimizer_states)
+        fragments.load_owned_fragments(self, module, reader, optimizer_states=optimizer_states, translate=translate)
 
     def _check_checkpointable(self) -> None:
         if self.swapped is not None:
