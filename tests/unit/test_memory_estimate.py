@@ -3,7 +3,8 @@ import pytest
 
 from zerospeed.cli import main as cli_main
 from zerospeed.zero.estimate_cli import parse_count
-from zerospeed.zero.memory import estimate_model_states_memory
+from zerospeed.zero.memory import (data_parallel_size, estimate_model_parallel_memory, estimate_model_states_memory,
+                                   model_parallel_params)
 
 
 def test_paper_example_7_5b_on_64_ranks():
@@ -72,3 +73,66 @@ def test_cli_rejects_bad_input(capsys):
 @pytest.mark.parametrize("text, value", [("7.5e9", 7.5e9), ("7.5B", 7.5e9), ("350M", 3.5e8), ("12k", 12e3), ("10", 10)])
 def test_parse_count(text, value):
     assert parse_count(text) == value
+
+
+def test_model_parallel_params():
+    # Ψ_rank = (Ψ_s / tp + Ψ_r) / pp
+    assert model_parallel_params(1000, tp=2) == 500
+    assert model_parallel_params(1000, tp=2, replicated_params=200) == 600
+    assert model_parallel_params(1000, tp=4, pp=2, replicated_params=200) == (800 / 4 + 200) / 2
+    assert model_parallel_params(1000, pp=4) == 250
+    with pytest.raises(ValueError, match="replicated_params=2000"):
+        model_parallel_params(1000, tp=2, replicated_params=2000)
+    with pytest.raises(ValueError, match="tp=0"):
+        model_parallel_params(1000, tp=0)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_model_parallel_memory_is_zero_over_dp_of_the_rank_share(stage):
+    psi, rep, world, tp, pp = 8_000_000, 1_600_000, 32, 2, 2
+    local = (psi - rep) // tp + rep  # 4.8M per tensor rank, 2.4M per stage
+    got = estimate_model_parallel_memory(psi, stage, world, tp=tp, pp=pp, replicated_params=rep)
+    assert got == estimate_model_states_memory(local // pp, stage, world // (tp * pp))
+    n = world // (tp * pp)
+    expected = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage] * (local // pp)
+    assert got["total"] == expected
+    # tp = pp = 1 is plain ZeRO over the world
+    assert estimate_model_parallel_memory(psi, stage, 8) == estimate_model_states_memory(psi, stage, 8)
+
+
+def test_world_not_divisible_by_tp_x_pp():
+    assert data_parallel_size(64, 4, 2) == 8
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor x pipeline parallel size 2 x 2 = 4"):
+        estimate_model_parallel_memory(1e9, 1, 6, tp=2, pp=2)
+    with pytest.raises(ValueError, match="pp must be >= 1"):
+        data_parallel_size(4, 1, 0)
+
+
+def test_cli_tp_pp(capsys):
+    argv = ["estimate", "--params", "7B", "--world", "64", "--tp", "4", "--pp", "2", "--replicated-params", "0.26B"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    local = ((7e9 - 0.26e9) / 4 + 0.26e9) / 2
+    est = [estimate_model_parallel_memory(7e9, s, 64, tp=4, pp=2, replicated_params=0.26e9) for s in range(4)]
+    assert [r[-1] for r in rows] == [f"{m['total'] / 1e9:.2f}" for m in est]
+    assert rows[0][-1] == f"{16 * local / 1e9:.2f}"
+    assert "N = 8 data-parallel ranks" in out and "world = 4 x 2 x 8 = 64" in out and "balanced pipeline stages" in out
+    # --dp with --tp: the world is dp x tp x pp; without --replicated-params the assumption is stated
+    assert cli_main(["estimate", "--params", "1e9", "--dp", "2", "--tp", "2", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ_r = 0: every parameter in a tensor-parallel layer" in out and "--replicated-params" in out
+    assert [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()] == [
+        ["3", "0.50", "0.50", "2.00", "1.00", "4.00"]]  # 16 bytes x 0.5e9 per tensor rank / 2 ranks
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "6", "--tp", "4"], "not divisible by tensor x pipeline parallel size 4 x 1 = 4"),
+    (["--world", "8", "--tp", "2", "--dp", "2"], "give one of --dp and --world (here --dp 4)"),
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["--tp", "2", "--replicated-params", "2e9"], "--replicated-params 2e+09 must lie in"),
+])
+def test_cli_tp_pp_rejects(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["estimate", "--params", "1e9", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

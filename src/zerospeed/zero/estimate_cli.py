@@ -6,13 +6,18 @@
     stage   params    grads  optimizer   master    total
         0    15.00    15.00      60.00    30.00   120.00
         ...
+
+    $ zerospeed estimate --params 7B --world 64 --tp 4 --pp 2 --replicated-params 0.26B
+    (Ψ per rank before ZeRO = (Ψ_s / tp + Ψ_r) / pp, balanced stages; ZeRO over N = 64 / (4 x 2) = 8)
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
-from .memory import BYTES_PER_PARAM, PARTITIONED, estimate_model_states_memory
+from .memory import (BYTES_PER_PARAM, PARTITIONED, data_parallel_size, estimate_model_states_memory,
+                     model_parallel_params)
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -25,14 +30,29 @@ def parse_count(text: str) -> float:
     return float(m.group(1)) * _SUFFIX[m.group(2).lower()]
 
 
-def format_table(num_params: float, stages: list[int], dp_world_size: int, precision: str) -> str:
-    """The table `main` prints: one row per stage, columns in GB (1e9 bytes)."""
+def format_table(num_params: float, stages: list[int], dp_world_size: int, precision: str, *, tp: int = 1,
+                 pp: int = 1, replicated_params: float | None = None) -> str:
+    """The table `main` prints: one row per stage, columns in GB (1e9 bytes). With tp or pp > 1, ZeRO
+    partitions the model-parallel share Ψ_rank = (Ψ_s / tp + Ψ_r) / pp (`memory.model_parallel_params`;
+    replicated_params None: taken as 0, and the header says so)."""
+    local = num_params
     lines = [f"Model states per rank, Ψ = {num_params:.2e} parameters, N = {dp_world_size} data-parallel ranks, "
-             f"{precision} precision, Adam",
-             "(GB = 1e9 bytes; ZeRO, Rajbhandari et al. 2020, §5)",
-             f"{'stage':>5}{'params':>9}{'grads':>9}{'optimizer':>11}{'master':>9}{'total':>9}"]
+             f"{precision} precision, Adam"]
+    if tp > 1 or pp > 1:
+        local = model_parallel_params(num_params, tp=tp, pp=pp, replicated_params=replicated_params or 0)
+        world = dp_world_size * tp * pp
+        lines += [f"tensor parallel tp = {tp}, pipeline parallel pp = {pp}, world = {tp} x {pp} x {dp_world_size} = "
+                  f"{world}: Ψ per rank before ZeRO = (Ψ_s / tp + Ψ_r) / pp = {local:.2e}",
+                  "(balanced pipeline stages: each holds 1/pp of the parameters; Ψ_r = " + (
+                      f"{replicated_params:.2e} replicated parameters (embeddings, norms) kept whole on every "
+                      "tensor-parallel rank)" if replicated_params is not None else
+                      "0: every parameter in a tensor-parallel layer, as Megatron's vocab-parallel embeddings; "
+                      "zerospeed replicates embeddings and norms: pass --replicated-params, e.g. the replicated "
+                      "count `zerospeed tp-plan` prints)")]
+    lines += ["(GB = 1e9 bytes; ZeRO, Rajbhandari et al. 2020, §5)",
+              f"{'stage':>5}{'params':>9}{'grads':>9}{'optimizer':>11}{'master':>9}{'total':>9}"]
     for stage in stages:
-        m = estimate_model_states_memory(num_params, stage, dp_world_size, precision)
+        m = estimate_model_states_memory(math.ceil(local), stage, dp_world_size, precision)
         gb = {k: v / 1e9 for k, v in m.items()}
         lines.append(f"{stage:>5}{gb['params']:>9.2f}{gb['grads']:>9.2f}{gb['optimizer_states']:>11.2f}"
                      f"{gb['master_weights']:>9.2f}{gb['total']:>9.2f}")
@@ -47,12 +67,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=parse_count, required=True, help="trainable parameters, e.g. 7.5e9 or 7.5B")
     parser.add_argument("--stage", type=int, choices=sorted(PARTITIONED), default=None,
                         help="one ZeRO stage (default: all of 0-3)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks N (default 1)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel ranks N (default: --world / (tp x pp), or 1)")
+    parser.add_argument("--world", type=int, default=None, help="all ranks; N = world / (tp x pp)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages, assumed balanced (default 1)")
+    parser.add_argument("--replicated-params", type=parse_count, default=None,
+                        help="parameters outside tensor-parallel layers, kept whole on every tensor-parallel rank "
+                             "(embeddings, norms; default 0); `zerospeed tp-plan` prints the count for a HF model")
     parser.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="mixed",
                         help="mixed: fp16/bf16 with fp32 master weights (default); fp32: fp32 training")
     args = parser.parse_args(argv)
-    if args.dp < 1:
-        parser.error(f"--dp must be >= 1, got {args.dp}")
+    for flag in ("dp", "world", "tp", "pp"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    dp = args.dp
+    if args.world is not None:
+        try:
+            from_world = data_parallel_size(args.world, args.tp, args.pp)
+        except ValueError as exc:
+            parser.error(f"--world {args.world}: {exc}")
+        if dp is not None and dp != from_world:
+            parser.error(f"--dp {dp} x --tp {args.tp} x --pp {args.pp} != --world {args.world}; give one of --dp and "
+                         f"--world (here --dp {from_world})")
+        dp = from_world
+    if args.replicated_params is not None and not 0 <= args.replicated_params <= args.params:
+        parser.error(f"--replicated-params {args.replicated_params:g} must lie in [0, --params {args.params:g}]")
     stages = [args.stage] if args.stage is not None else sorted(PARTITIONED)
-    print(format_table(args.params, stages, args.dp, args.precision))
+    print(format_table(args.params, stages, dp or 1, args.precision, tp=args.tp, pp=args.pp,
+                       replicated_params=args.replicated_params))
     return 0

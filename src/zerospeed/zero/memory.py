@@ -14,6 +14,13 @@ also the gradients, stage 3 also the parameters. Mixed precision gives the paper
 120 -> 31.4 -> 16.6 -> 1.9 GB (1 GB = 1e9 bytes). Activations, buffers and fragmentation are
 not model states and are not counted.
 
+Tensor and pipeline parallelism (`estimate_model_parallel_memory`) first cut the parameters a rank
+holds: the Ψ_s parameters of tensor-parallel layers are split tp ways and the Ψ_r others (embeddings,
+norms, an unmatched lm_head: zerospeed replicates them) are whole, then balanced pipeline stages split
+that pp ways: Ψ_rank = (Ψ_s / tp + Ψ_r) / pp. ZeRO then partitions Ψ_rank over dp = world / (tp x pp)
+ranks with the formulas above (Megatron-LM with ZeRO-1, Narayanan et al. 2021; Megatron shards the
+embeddings too, Ψ_r = 0).
+
 What zerospeed itself holds under bf16/fp16 (`engine.memory_breakdown()`) differs from the paper's
 2-byte gradients where it accumulates gradients in fp32: stage 0 keeps fp32 gradient buckets (4Ψ),
 stages 2 and 3 an fp32 gradient partition (4Ψ/N); stage 1 matches the paper (2Ψ at rest, plus a
@@ -60,3 +67,46 @@ def estimate_model_states_memory(num_params: float, stage: int, dp_world_size: i
            for state in STATES}
     out["total"] = sum(out.values())
     return out
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """dp = world_size / (tp x pp). Raises ValueError for sizes < 1 or a world tp x pp does not divide,
+    naming the numbers."""
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if world_size % (tp * pp):
+        raise ValueError(f"the world size {world_size} is not divisible by tensor x pipeline parallel size "
+                         f"{tp} x {pp} = {tp * pp}; use a world that is a multiple of {tp * pp}")
+    return world_size // (tp * pp)
+
+
+def model_parallel_params(num_params: float, *, tp: int = 1, pp: int = 1, replicated_params: float = 0) -> float:
+    """Ψ_rank, the parameters one rank holds before ZeRO: (Ψ_s / tp + Ψ_r) / pp with Ψ_r =
+    `replicated_params` (kept whole on every tensor-parallel rank) and Ψ_s = num_params - Ψ_r (in
+    tensor-parallel layers); pipeline stages are assumed balanced (each holds 1/pp of the layers'
+    parameters, the replicated ones included). Raises ValueError for Ψ_r outside [0, num_params] or
+    tp / pp < 1."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+    if not 0 <= replicated_params <= num_params:
+        raise ValueError(f"replicated_params={replicated_params:g} must lie in [0, num_params={num_params:g}]")
+    return ((num_params - replicated_params) / tp + replicated_params) / pp
+
+
+def estimate_model_parallel_memory(num_params: float, stage: int, world_size: int, *, tp: int = 1, pp: int = 1,
+                                   replicated_params: float = 0, precision: str = "mixed") -> dict[str, int]:
+    """Bytes of model states per rank with tensor parallelism `tp`, `pp` balanced pipeline stages and ZeRO
+    `stage` over the dp = world_size / (tp x pp) data-parallel ranks, with Adam:
+    `estimate_model_states_memory(model_parallel_params(...), stage, dp, precision)`.
+
+    num_params: Ψ, all trainable parameters; replicated_params: Ψ_r, those outside tensor-parallel
+    layers (default 0: Megatron's assumption, every parameter sharded, a lower bound for zerospeed,
+    which replicates embeddings and norms; `zerospeed tp-plan` prints the count for a HF model).
+    Returns the same keys as `estimate_model_states_memory` ("params", "grads", "optimizer_states",
+    "master_weights", "total"). Raises ValueError for a world tp x pp does not divide and for the
+    arguments `estimate_model_states_memory` / `model_parallel_params` refuse.
+    """
+    dp = data_parallel_size(world_size, tp, pp)
+    local = model_parallel_params(num_params, tp=tp, pp=pp, replicated_params=replicated_params)
+    return estimate_model_states_memory(math.ceil(local), stage, dp, precision)
