@@ -15,6 +15,7 @@ partitions, which DTensors do not support.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +136,36 @@ def _full_module_parts(module: nn.Module):
     raise TypeError(f"tensor parallelism shards nn.Linear and HF Conv1D layers, not {type(module).__name__}")
 
 
+# Megatron's f applied once per input tensor: sibling column layers fed the same tensor (HF Llama's q/k/v_proj,
+# gate/up_proj) share one f, so backward all-reduces the summed input gradient once instead of once per
+# layer (3 + 2 -> 1 + 1 per transformer block). Keyed weakly by the input tensor and its version counter:
+# an entry lives as long as the input does (activation-checkpointing recomputation makes a new one).
+_SHARED_F: dict[int, tuple] = {}  # id(input) -> (weak ref to it, its version, group, weak ref to f(input))
+
+
+def _shared_copy_to_tensor_parallel(x: torch.Tensor, group, logger) -> torch.Tensor:
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x  # no backward: f is the identity
+    key = id(x)
+    hit = _SHARED_F.get(key)
+    if hit is not None and hit[0]() is x and hit[1] == x._version and hit[2] is group:
+        y = hit[3]()
+        if y is not None:
+            return y
+    y = copy_to_tensor_parallel(x, group, logger)
+    # weak references only: f(x) is a view of x, so a strong one would keep every layer input alive
+    _SHARED_F[key] = (weakref.ref(x, lambda _, k=key: _SHARED_F.pop(k, None)), x._version, group, weakref.ref(y))
+    return y
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """Output features split over the tensor-parallel group: input [..., in] (full, replicated),
     output [..., out/tp] (this rank's features; for fused blocks, its part of each block). Backward
-    all-reduces the input gradient over the group (Megatron's f)."""
+    all-reduces the input gradient over the group (Megatron's f), once per input tensor however many
+    column layers read it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(copy_to_tensor_parallel(x, self.group, self.logger))
+        y = self._matmul(_shared_copy_to_tensor_parallel(x, self.group, self.logger))
         return y if self.bias is None else y + self.bias
 
     @classmethod
