@@ -138,3 +138,34 @@ def test_tp2_world2_matches_one_process(kind):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_tp2_dp2_world4_matches_one_process(kind):
     _check(run_distributed(tp_runs, 4, kind, ALL, timeout=300), kind, 4)
+
+
+def precision_offload_runs(rank, world):
+    """tp 2 at world 2 on Llama, ZeRO 2: fp32 vs optimizer offload to the host (same numbers), and bf16."""
+    out = {}
+    variants = {"fp32": {}, "offload": {"offload_optimizer": {"device": "cpu"}}, "bf16": {}}
+    for name, zero_extra in variants.items():
+        cfg = _config(2, "adamw-clip")
+        cfg["zero_optimization"].update(zero_extra)
+        if name == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        model = tiny_hf_llama(seed=0)
+        engine, *_ = zerospeed.initialize(model=model, config=cfg)
+        losses = []
+        for x in _batches(1):
+            loss = engine(input_ids=x[:MICRO], labels=x[:MICRO]).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out[name] = losses
+        engine.destroy()
+    return out
+
+
+def test_tp_with_offload_and_bf16():
+    res = run_distributed(precision_offload_runs, 2, timeout=300)
+    ref_losses, _, _ = reference("llama", "adamw-clip", 1)
+    for r in res:
+        assert max_rel_diff(r["fp32"], ref_losses) < TOL
+        assert max_rel_diff(r["offload"], r["fp32"]) < 1e-6  # the same update on the host
+        assert max_rel_diff(r["bf16"], ref_losses) < 2e-2  # bf16 parameters and activations, fp32 masters

@@ -24,6 +24,13 @@ def plan_tensor_parallel(cfg, model: nn.Module, mpu):
         raise ConfigError("the model already has tensor-parallel layers, but not from zerospeed.tp_model_init (whose "
                           "mesh initialize would reuse): remove tensor_parallel.autotp_size from the config and pass "
                           "the mesh the layers were built over as mpu=..., or let AutoTP shard the unmodified model")
+    from ..zero.stage3_init import partitioned_parameters
+
+    if partitioned := partitioned_parameters(model):
+        raise ConfigError(f"tensor_parallel.autotp_size={tp} with a model built under zerospeed.zero.Init() (e.g. "
+                          f"{partitioned[0]!r} is partitioned) is not supported yet: AutoTP shards whole weights; "
+                          "build the model without zero.Init() (ZeRO-3 still partitions each shard over the "
+                          "data-parallel ranks)")
     try:
         check_divisible(model, tp)
         return plan_for_model(model, preset_model=cfg.tensor_parallel.preset_model,
