@@ -114,6 +114,26 @@ class _ParallelLinear(nn.Module):
         # the full (unsharded) shape of each parameter: what checkpoints and save_16bit_model write
         self.full_shapes = dict(full_shapes or {})
 
+    sharded_input = False  # row-parallel: the weight is split by input features and the bias stays whole
+
+    @classmethod
+    def from_module(cls, module: nn.Module, *, group, tp: int, rank: int, blocks: int = 1, name: str = ""):
+        """Shard a full `nn.Linear` / `Conv1D`: by output features for a column layer (the bias too; `blocks`
+        fused projections, each split), by input features for a row layer (the bias stays whole, spec None).
+        Raises ValueError if the dimension does not split, TypeError for another module type."""
+        w, b, transposed, n_in, n_out = _full_module_parts(module)
+        dim = (0 if transposed else 1) if cls.sharded_input else (1 if transposed else 0)
+        spec = ShardSpec(dim=dim, tp=tp, rank=rank, blocks=blocks)
+        spec.check(w.shape, f"{name or type(module).__name__}.weight")
+        bspec = None if cls.sharded_input else ShardSpec(dim=0, tp=tp, rank=rank, blocks=blocks)
+        with torch.no_grad():
+            weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
+            bias = None if b is None else (b.detach().clone() if bspec is None else shard_tensor(b.detach(), bspec))
+            if bias is not None:
+                bias.requires_grad_(b.requires_grad)
+        return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": bspec},
+                   in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight if self.transposed else x @ self.weight.t()
 
@@ -168,18 +188,6 @@ class ColumnParallelLinear(_ParallelLinear):
         y = self._matmul(_shared_copy_to_tensor_parallel(x, self.group, self.logger))
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_module(cls, module: nn.Module, *, group, tp: int, rank: int, blocks: int = 1, name: str = ""):
-        """Shard a full `nn.Linear` / `Conv1D` by output features (`blocks` fused projections, each split)."""
-        w, b, transposed, n_in, n_out = _full_module_parts(module)
-        spec = ShardSpec(dim=1 if transposed else 0, tp=tp, rank=rank, blocks=blocks)
-        spec.check(w.shape, f"{name or type(module).__name__}.weight")
-        bspec = ShardSpec(dim=0, tp=tp, rank=rank, blocks=blocks)
-        with torch.no_grad():
-            weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
-            bias = None if b is None else shard_tensor(b.detach(), bspec).requires_grad_(b.requires_grad)
-        return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": bspec},
-                   in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -187,21 +195,12 @@ class RowParallelLinear(_ParallelLinear):
     column-parallel layer produced it), output [..., out] (full, all-reduced: Megatron's g); the bias is
     replicated and added once, after the reduction."""
 
+    sharded_input = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tensor_parallel(self._matmul(x), self.group, self.logger)
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_module(cls, module: nn.Module, *, group, tp: int, rank: int, blocks: int = 1, name: str = ""):
-        """Shard a full `nn.Linear` / `Conv1D` by input features; the bias stays whole (spec None)."""
-        w, b, transposed, n_in, n_out = _full_module_parts(module)
-        spec = ShardSpec(dim=0 if transposed else 1, tp=tp, rank=rank, blocks=blocks)
-        spec.check(w.shape, f"{name or type(module).__name__}.weight")
-        with torch.no_grad():
-            weight = shard_tensor(w.detach(), spec).requires_grad_(w.requires_grad)
-            bias = None if b is None else b.detach().clone().requires_grad_(b.requires_grad)
-        return cls(weight, bias, transposed=transposed, group=group, specs={"weight": spec, "bias": None},
-                   in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
 
 
 def tensor_parallel_layers(module: nn.Module):

@@ -311,13 +311,6 @@ class Stage12Strategy(ZeroStrategy):
                 self.own_params.copy_(self.master)
             self.all_gather_params()
 
-    def locate(self, param: torch.Tensor):
-        """(index in `params`, shape, device of params[0]) or None."""
-        for i, p in enumerate(self.params):
-            if p is param:
-                return i, tuple(p.shape), self.params[0].device
-        return None
-
     def reduced_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
         """Parameter `key`'s fragments of the partition gradient ([K, S], fp32 after materializing)."""
         self.grads.materialize()

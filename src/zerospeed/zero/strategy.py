@@ -141,10 +141,17 @@ class ZeroStrategy(abc.ABC):
         re-gathers pinned units). A stage whose step path changes must keep this in line. Collective
         at stages >= 1."""
 
-    @abc.abstractmethod
     def locate(self, param: torch.Tensor):
         """(key, full shape, device) of model parameter `param` if this strategy holds it, else None;
-        `key` is what `reduced_grad_pieces` takes, device where a full value of it is assembled. Local."""
+        `key` is what `reduced_grad_pieces` takes, device where a full value of it is assembled. Local.
+        Default (stages 0-2): key = the index in `self.params`, device = that of params[0]."""
+        index = getattr(self, "_param_index", None)
+        if index is None or len(index) != len(self.params):
+            index = self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        i = index.get(id(param))
+        if i is None or self.params[i] is not param:
+            return None
+        return i, tuple(param.shape), self.params[0].device
 
     @abc.abstractmethod
     def reduced_grad_pieces(self, key) -> list[tuple[int, int, torch.Tensor]] | None:
@@ -402,13 +409,6 @@ class DataParallelStrategy(ZeroStrategy):
             for p, m in zip(self.params, self._masters()):
                 if p is not m:
                     p.data.copy_(m)
-
-    def locate(self, param: torch.Tensor):
-        """(index in `params`, shape, device of params[0]) or None."""
-        for i, p in enumerate(self.params):
-            if p is param:
-                return i, tuple(p.shape), self.params[0].device
-        return None
 
     def reduced_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
         """The part of parameter `key`'s all-reduced master gradient inside this rank's writer slice
