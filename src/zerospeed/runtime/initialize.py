@@ -24,10 +24,10 @@ from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..parallel import ParallelMesh
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
+from ..tensor_parallel import tensor_parallel_layers
 from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
-from ..tensor_parallel import tensor_parallel_layers
 from .engine import ZeroSpeedEngine
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
