@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.logger import CommsLogger
+from ..comm.ops import all_reduce
 from ..precision import LossScaler, MixedPrecisionPolicy, SkipLog
 from ..zero.data_parallel import ReducePhase
 from ..zero.strategy import ZeroStrategy
@@ -181,7 +182,7 @@ class ZeroSpeedEngine(nn.Module):
         if self.mp_world_size == 1:
             return bad
         flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, group=None, op=dist.ReduceOp.MAX, logger=self.comms_logger)
         return bool(flag.item())
 
     def zero_grad(self) -> None:
