@@ -182,3 +182,22 @@ def test_checkpoint_per_model_rank_round_trip(tmp_path):
     for after, resumed, listing in res:
         assert resumed == after  # the same next losses after the reload
         assert listing == ["mp_rank_00", "mp_rank_01"]
+
+
+def fp16_overflow_runs(rank, world, tp):
+    """fp16 from a loss scale of 2**32: the first steps overflow and are skipped, on every rank alike."""
+    mesh = ParallelMesh.build(tp=tp) if tp > 1 else None
+    cfg = _config(1, 1.0)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 32, "loss_scale_window": 2}
+    model = tiny_gpt(seed=0, bias=False)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg, mpu=mesh)
+    losses = train_engine(engine, global_batches(random_tokens(4 * 6, 64, seed=1), 4, 6))
+    return losses, engine.skipped_steps, engine.loss_scale
+
+
+def test_overflow_vote_with_model_parallel_ranks():
+    ref = run_distributed(fp16_overflow_runs, 2, 1)
+    res = run_distributed(fp16_overflow_runs, 4, 2)
+    assert ref[0][1] > 0  # steps were skipped
+    for rank in range(4):
+        assert res[rank] == ref[rank // 2]
