@@ -19,11 +19,9 @@ and MLP input gradients), 4bsh. ZeRO's data-parallel traffic at stages 1-3 is re
 so every all_reduce is tensor-parallel except the two 1-element squared-norm reductions of the step (over
 the dp group, then the tp group); at stage 0 the gradient buckets (Ψ_local elements) are all-reduced too
 and the norm needs only the tp one. GPT-2 (fused q|k|v c_attn, one c_fc) does exactly Megatron's 4bsh.
-HF Llama has three column layers q/k/v sharing one input and two, gate/up, sharing another: each
-`ColumnParallelLinear` all-reduces its own input gradient (`copy_to_tensor_parallel`), so the backward
-does 3 + 2 = 5 all-reduces per layer instead of 2: 7bsh per layer, 1.75x Megatron's volume. The test
-asserts what the code does (7bsh) next to the formula (4bsh); summing the gradients of one input before
-a single all-reduce would bring Llama to 4bsh.
+HF Llama has three column layers q/k/v sharing one input and two, gate/up, sharing another; their parent
+modules apply Megatron's f once for all of them (`tensor_parallel.layers.SharedInput`), so Llama does
+4bsh too (one all-reduce per column *block*, not per column layer: 3 + 2 would be 7bsh).
 """
 import math
 
@@ -49,7 +47,7 @@ STAGES = (0, 1, 2, 3)
 STATES = ("params", "grads", "optimizer_states", "master_weights")
 # backward all-reduces per layer: Megatron's 2 (one per column block), and what each model's column layers do
 MEGATRON_FWD, MEGATRON_BWD = 2, 2
-COLUMN_LAYERS_PER_LAYER = {"llama": 3 + 2, "gpt2": 1 + 1}  # q, k, v + gate, up | c_attn + c_fc
+COLUMN_LAYERS_PER_LAYER = {"llama": 1 + 1, "gpt2": 1 + 1}  # (q, k, v) + (gate, up) share f | c_attn + c_fc
 
 
 def _config(stage):
@@ -215,7 +213,4 @@ def test_tensor_parallel_all_reduce_volume_per_layer(runs, kind):
             norm_calls = 1 if stage == 0 else 2
             assert res["step"].get("all_reduce") == (norm_calls, norm_calls), (kind, stage, rank, res["step"])
             tp_elements = fwd_calls * bsh + bwd_calls * bsh
-            if kind == "gpt2":  # fused c_attn and a single c_fc: exactly Megatron's formula
-                assert tp_elements == megatron == 4 * bsh * layers
-            else:  # Llama: 2 forward + 5 backward all-reduces per layer (Megatron: 2 + 2)
-                assert tp_elements == 7 * bsh * layers == megatron * 7 // 4
+            assert tp_elements == megatron == 4 * bsh * layers  # exactly Megatron's formula, both models

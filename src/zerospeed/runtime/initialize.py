@@ -316,6 +316,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
     for _, layer in tensor_parallel_layers(model):  # their all-reduces are counted with the others
         layer.logger = logger
+        if getattr(layer, "shared_input", None) is not None:
+            layer.shared_input.logger = logger
     offload = _build_offload(cfg, model, group, policy)
     strategy = build_strategy(cfg.zero_optimization.stage, module=model, optimizer=opt, group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,

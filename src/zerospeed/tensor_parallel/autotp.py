@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, tensor_parallel_layers
+from .layers import ColumnParallelLinear, RowParallelLinear, SharedInput, tensor_parallel_layers
 from .plan import TPPlan
 
 __all__ = ["apply_tensor_parallel", "check_divisible"]
@@ -73,7 +73,19 @@ def apply_tensor_parallel(model: nn.Module, plan: TPPlan, *, group, tp: int, ran
     for m in model.modules():
         if type(m).__name__ in plan.attention_fixups:
             _localize_heads(m, tp)
+    _share_inputs(model, group)
     return [n for n, _, _ in todo]
+
+
+def _share_inputs(model: nn.Module, group) -> None:
+    """Give each module with two or more column-parallel children one `SharedInput` (Megatron's f once)."""
+    for parent in model.modules():
+        cols = [c for c in parent.children() if isinstance(c, ColumnParallelLinear)]
+        if len(cols) >= 2:
+            shared = SharedInput(group)
+            shared.attach(parent)
+            for c in cols:
+                c.shared_input = shared
 
 
 def _localize_heads(attn: nn.Module, tp: int) -> None:

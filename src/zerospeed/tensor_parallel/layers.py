@@ -156,26 +156,41 @@ def _full_module_parts(module: nn.Module):
     raise TypeError(f"tensor parallelism shards nn.Linear and HF Conv1D layers, not {type(module).__name__}")
 
 
-# Megatron's f applied once per input tensor: sibling column layers fed the same tensor (HF Llama's q/k/v_proj,
-# gate/up_proj) share one f, so backward all-reduces the summed input gradient once instead of once per
-# layer (3 + 2 -> 1 + 1 per transformer block). Keyed weakly by the input tensor and its version counter:
-# an entry lives as long as the input does (activation-checkpointing recomputation makes a new one).
-_SHARED_F: dict[int, tuple] = {}  # id(input) -> (weak ref to it, its version, group, weak ref to f(input))
+class SharedInput:
+    """Megatron's f applied once for sibling column layers that read the same tensor (HF Llama's q/k/v_proj
+    under self_attn, gate/up_proj under mlp): a forward pre-hook on their parent module (`attach`) applies
+    f to the parent's input and remembers the result weakly; a column layer whose input *is* that tensor
+    uses it as it is, so backward all-reduces the summed input gradient once per block (Megatron's 2
+    backward all-reduces per transformer layer instead of 3 + 2). A layer fed anything else (a
+    cross-attention's encoder states) applies its own f: never a missing reduction."""
 
+    def __init__(self, group, logger=None):
+        self.group, self.logger, self.ref = group, logger, None
 
-def _shared_copy_to_tensor_parallel(x: torch.Tensor, group, logger) -> torch.Tensor:
-    if not torch.is_grad_enabled() or not x.requires_grad:
-        return x  # no backward: f is the identity
-    key = id(x)
-    hit = _SHARED_F.get(key)
-    if hit is not None and hit[0]() is x and hit[1] == x._version and hit[2] is group:
-        y = hit[3]()
-        if y is not None:
-            return y
-    y = copy_to_tensor_parallel(x, group, logger)
-    # weak references only: f(x) is a view of x, so a strong one would keep every layer input alive
-    _SHARED_F[key] = (weakref.ref(x, lambda _, k=key: _SHARED_F.pop(k, None)), x._version, group, weakref.ref(y))
-    return y
+    def attach(self, parent: nn.Module):
+        return parent.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        self.ref = None
+        if not torch.is_grad_enabled():
+            return None
+        if args and torch.is_tensor(args[0]):
+            x = args[0]
+            if not x.requires_grad:
+                return None
+            y = copy_to_tensor_parallel(x, self.group, self.logger)
+            self.ref = weakref.ref(y)  # alive while the parent's forward holds it: no activation kept
+            return (y, *args[1:]), kwargs
+        key = "hidden_states" if torch.is_tensor(kwargs.get("hidden_states")) else None
+        if key is None or not kwargs[key].requires_grad:
+            return None
+        y = copy_to_tensor_parallel(kwargs[key], self.group, self.logger)
+        self.ref = weakref.ref(y)
+        return args, {**kwargs, key: y}
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """True if `x` is the tensor f was applied to in the current forward of the parent."""
+        return self.ref is not None and self.ref() is x
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -184,8 +199,13 @@ class ColumnParallelLinear(_ParallelLinear):
     all-reduces the input gradient over the group (Megatron's f), once per input tensor however many
     column layers read it."""
 
+    shared_input: SharedInput | None = None  # set by apply_tensor_parallel for sibling column layers
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(_shared_copy_to_tensor_parallel(x, self.group, self.logger))
+        shared = self.shared_input
+        if shared is None or not shared.holds(x):
+            x = copy_to_tensor_parallel(x, self.group, self.logger)
+        y = self._matmul(x)
         return y if self.bias is None else y + self.bias
 
 
