@@ -60,3 +60,68 @@ def test_group_collectives_over_a_sub_group_and_a_subclass_seam():
     for counts, calls in run_distributed(_body, 4):
         assert counts == {"all_reduce": (1, 5), "all_gather": (1, 10), "reduce_scatter": (1, 10)}
         assert calls == [2, 6]  # two buckets (bias 2 | weight 6 with bucket_size 4), backward order
+
+
+class CountingAll(GroupCollectives):
+    """Counts every collective a strategy starts through its `comms`, then runs the plain one."""
+
+    counts: dict = {}
+
+    def _count(self, name, n):
+        CountingAll.counts[name] = CountingAll.counts.get(name, 0) + n
+
+    def start_all_reduce(self, tensor):
+        self._count("all_reduce", tensor.numel())
+        return super().start_all_reduce(tensor)
+
+    def start_reduce_scatter(self, output, input, **kw):
+        self._count("reduce_scatter", input.numel())
+        return super().start_reduce_scatter(output, input, **kw)
+
+    def start_all_gather(self, output, input):
+        self._count("all_gather", output.numel())
+        return super().start_all_gather(output, input)
+
+
+def _strategy_seam(rank, world):
+    """build_strategy(collectives=CountingAll) at every stage: the subclass carries every gradient reduction
+    and parameter all-gather, and the step equals the default implementation's."""
+    from zerospeed.config import load_config
+    from zerospeed.testing.models import random_tokens, tiny_gpt
+    from zerospeed.zero.factory import build_strategy
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        results = []
+        for cls in (GroupCollectives, CountingAll):
+            CountingAll.counts = {}
+            model = tiny_gpt(seed=0, bias=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            zero_cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+                "stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0}}).zero_optimization
+            s = build_strategy(stage, module=model, optimizer=opt, group=None, zero_cfg=zero_cfg,
+                               collectives=cls)
+            x = random_tokens(2, 16, seed=rank)
+            s.arm()
+            model(x[:, :-1], x[:, 1:]).backward()
+            s.finish()
+            norm = s.clip_and_norm(0.0)
+            s.optimizer_step()
+            s.zero_grad()
+            s.disarm()
+            results.append((norm, dict(CountingAll.counts)))
+            s.remove()
+        out[stage] = results
+    return out
+
+
+def test_a_collectives_subclass_handed_to_build_strategy_carries_every_stage():
+    psi = sum(p.numel() for p in __import__("zerospeed.testing.models", fromlist=["tiny_gpt"]).tiny_gpt(
+        seed=0, bias=False).parameters())
+    for res in run_distributed(_strategy_seam, 2):
+        for stage, ((norm_plain, plain_counts), (norm_sub, counts)) in res.items():
+            assert norm_plain == norm_sub and not plain_counts, stage
+            if stage == 0:
+                assert counts == {"all_reduce": psi}  # the gradient buckets
+            else:  # reduce-scatter of the gradient, all-gather of the parameters (stage 3: forward too)
+                assert counts.get("reduce_scatter", 0) >= psi and counts.get("all_gather", 0) >= psi, (stage, counts)

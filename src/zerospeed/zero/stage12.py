@@ -92,7 +92,7 @@ class Stage12Strategy(ZeroStrategy):
                  reduce_scatter: bool = True, allgather_partitions: bool = True, average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
-                 offload=None):
+                 offload=None, collectives: type[GroupCollectives] = GroupCollectives):
         if stage not in (1, 2):
             raise ValueError(f"Stage12Strategy implements ZeRO stages 1 and 2, not {stage}")
         for key, value in (("reduce_scatter", reduce_scatter), ("allgather_partitions", allgather_partitions)):
@@ -102,7 +102,7 @@ class Stage12Strategy(ZeroStrategy):
         self.names = names = _check_params(module, params, stage)
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.stage, self.params, self.group, self.logger = stage, params, group, logger
-        self.comms = comms = GroupCollectives(group, logger)
+        self.comms = comms = collectives(group, logger)
         self.reduce_every_micro_step = stage == 2
         self.world, self.rank = comms.world_size, comms.rank
         limit = min(reduce_bucket_size, allgather_bucket_size) if allgather_bucket_size > 0 else reduce_bucket_size

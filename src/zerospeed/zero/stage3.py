@@ -76,9 +76,9 @@ class Stage3Strategy(ZeroStrategy):
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
-                 offload=None):
+                 offload=None, collectives: type[GroupCollectives] = GroupCollectives):
         self.module, self.group, self.logger = module, group, logger
-        self.comms = GroupCollectives(group, logger)
+        self.comms = collectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
         values = master_values or {}
 
@@ -141,7 +141,8 @@ class Stage3Strategy(ZeroStrategy):
     def from_config(cls, module: nn.Module, optimizer, *, group, zero_cfg, average: bool = True,
                     predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                     policy: MixedPrecisionPolicy | None = None,
-                    master_values: dict[int, torch.Tensor] | None = None, offload=None) -> Stage3Strategy:
+                    master_values: dict[int, torch.Tensor] | None = None, offload=None,
+                    collectives: type[GroupCollectives] = GroupCollectives) -> Stage3Strategy:
         """Build from the validated `zero_optimization` section (its stage-3 knobs and `leaf_module`)."""
         leaf = zero_cfg.leaf_module
         return cls(module, optimizer, group=group, offload=offload,
@@ -152,7 +153,7 @@ class Stage3Strategy(ZeroStrategy):
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
-                   policy=policy, master_values=master_values)
+                   policy=policy, master_values=master_values, collectives=collectives)
 
     def _plan_segments(self, optimizer) -> None:
         """`segments` (per-group column ranges of each non-empty unit's shard; source = index into

@@ -268,9 +268,10 @@ class DataParallelStrategy(ZeroStrategy):
                  group: dist.ProcessGroup | None,
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
                  logger: CommsLogger | None = None, policy: MixedPrecisionPolicy | None = None,
-                 names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None):
+                 names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None,
+                 collectives: type[GroupCollectives] = GroupCollectives):
         self.params, self.group, self.logger = params, group, logger
-        self.comms = GroupCollectives(group, logger)
+        self.comms = collectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
