@@ -1,0 +1,317 @@
+"""Pipeline schedules as data (DESIGN.md rule 7): pure functions, no processes, no tensors.
+
+A *schedule* is ``{rank: [action, ...]}``: for each pipeline rank, the ordered list of what it does
+in one training batch (``train_batch``). Actions are small frozen dataclasses naming a micro-batch
+(0 .. num_microbatches-1) and a *model stage* (0 .. num_stages*chunks-1). With one chunk per rank the
+model stage is the rank; with ``chunks`` model chunks per rank (interleaved 1F1B) model stage
+``c*num_stages + r`` lives on rank ``r``. Which rank owns a stage is read off the compute actions, so
+other layouts (a V shape) need no new type. ``zerospeed.pipe.simulate.validate`` checks a schedule;
+``simulate`` times it.
+
+Vocabulary and DeepSpeed's instructions (deepspeed/runtime/pipe/schedule.py, ``TrainSchedule``).
+DeepSpeed addresses activation *buffers* (``buffer_id = micro_batch % num_pipe_buffers()``); these
+actions address micro-batches and leave buffer reuse to the executor:
+
+=========================================  =======================================================
+zerospeed action                           DeepSpeed instruction
+=========================================  =======================================================
+``LoadMicroBatch(mb, stage)``              ``LoadMicroBatch(buffer_id)`` (first stage: inputs,
+                                           last stage: labels)
+``Forward(mb, stage)``                     ``ForwardPass(buffer_id)``
+``Backward(mb, stage)``                    ``BackwardPass(buffer_id)`` (input + weight gradients)
+``BackwardInput(mb, stage)``               none: the input-gradient half of ``BackwardPass``
+``BackwardWeight(mb, stage)``              none: the deferred weight-gradient half (zero bubble)
+``SendActivation(mb, stage, peer)``        ``SendActivation(buffer_id)`` (to ``stage + 1``)
+``RecvActivation(mb, stage, peer)``        ``RecvActivation(buffer_id)`` (from ``stage - 1``)
+``SendGrad(mb, stage, peer)``              ``SendGrad(buffer_id)`` (to ``stage - 1``)
+``RecvGrad(mb, stage, peer)``              ``RecvGrad(buffer_id)`` (from ``stage + 1``)
+``ReduceTiedGrads()``                      ``ReduceTiedGrads()``
+``ReduceGrads()``                          ``ReduceGrads()``
+``OptimizerStep()``                        ``OptimizerStep()``
+=========================================  =======================================================
+
+In ``Send*``/``Recv*`` ``stage`` is the local (this rank's) model stage and ``peer`` the remote one.
+Sends are placed right after the computation that produces them and receives right before the one
+that needs them (torch.distributed.pipelining's ``_add_send_recv`` does the same); a message between
+two stages on the same rank is not sent at all.
+
+Generators (``num_stages`` = pipeline ranks, as DeepSpeed's ``PipelineModule(num_stages=...)``;
+``num_microbatches`` = micro-batches per batch = gradient_accumulation_steps):
+
+* ``gpipe``: all forwards, then all backwards (Huang et al. 2019, GPipe).
+* ``one_f_one_b``: DeepSpeed's ``TrainSchedule`` (Narayanan et al. 2019, PipeDream-Flush): stage
+  ``s`` runs ``min(p - s - 1, m)`` warm-up forwards, then alternates one forward and one backward.
+* ``interleaved_1f1b``: Narayanan et al. 2021 §2.2, ``chunks`` model chunks per rank, in Megatron-LM's
+  order (``megatron/core/pipeline_parallel/schedules.py``, groups of ``p`` micro-batches per chunk).
+* ``zb_h1``: Qi et al. 2024 "Zero Bubble Pipeline Parallelism" §3.1: 1F1B's forwards and
+  input-gradient passes with rank ``r`` deferring ``r`` weight-gradient passes into the cool-down
+  bubble (the order of torch.distributed.pipelining's ``_get_1f1b_rank_ops(enable_zero_bubble=True)``
+  with one chunk); same in-flight micro-batches as 1F1B.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Forward pass of ``microbatch`` through model stage ``stage``."""
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Fused backward (input and weight gradients) of ``microbatch`` on ``stage``; DeepSpeed's."""
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class BackwardInput:
+    """Input-gradient pass ("B" in Qi et al. 2024): frees the activations, sends the gradient on."""
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """Weight-gradient pass ("W" in Qi et al. 2024), after ``BackwardInput`` of the same pair."""
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class SendActivation:
+    """Send ``stage``'s output for ``microbatch`` to model stage ``peer`` (= stage + 1)."""
+    microbatch: int
+    stage: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class RecvActivation:
+    """Receive ``stage``'s input for ``microbatch`` from model stage ``peer`` (= stage - 1)."""
+    microbatch: int
+    stage: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class SendGrad:
+    """Send the gradient of ``stage``'s input for ``microbatch`` to model stage ``peer`` (= stage - 1)."""
+    microbatch: int
+    stage: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class RecvGrad:
+    """Receive the gradient of ``stage``'s output for ``microbatch`` from ``peer`` (= stage + 1)."""
+    microbatch: int
+    stage: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class LoadMicroBatch:
+    """Pull ``microbatch`` from the data iterator: inputs on the first stage, labels on the last."""
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class ReduceTiedGrads:
+    """All-reduce the gradients of layers tied across stages (DeepSpeed's ``ReduceTiedGrads``)."""
+
+
+@dataclass(frozen=True)
+class ReduceGrads:
+    """Reduce gradients over the data-parallel group (DeepSpeed's ``ReduceGrads``)."""
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """Step the optimizer once the batch's gradients are complete (DeepSpeed's ``OptimizerStep``)."""
+
+
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+MARKERS = (LoadMicroBatch, ReduceTiedGrads, ReduceGrads, OptimizerStep)
+Action = Union[Forward, Backward, BackwardInput, BackwardWeight, SendActivation, RecvActivation,
+               SendGrad, RecvGrad, LoadMicroBatch, ReduceTiedGrads, ReduceGrads, OptimizerStep]
+Schedule = dict[int, list[Action]]
+
+
+def _check_sizes(num_stages: int, num_microbatches: int, chunks: int = 1) -> None:
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def stage_owners(schedule: Schedule) -> dict[int, int]:
+    """Model stage -> rank, read off the compute actions.
+
+    Raises ValueError if one model stage is computed on two ranks (name both ranks and the action).
+    """
+    owner: dict[int, int] = {}
+    for rank in sorted(schedule):
+        for action in schedule[rank]:
+            if isinstance(action, COMPUTE):
+                seen = owner.setdefault(action.stage, rank)
+                if seen != rank:
+                    raise ValueError(f"rank {rank}: {action} computes model stage {action.stage}, which rank "
+                                     f"{seen} computes too; each model stage must live on exactly one rank")
+    return owner
+
+
+def with_communication(orders: dict[int, list[Action]], num_model_stages: int) -> Schedule:
+    """Add loads, sends, receives and the end-of-batch markers to per-rank compute orders.
+
+    ``orders`` holds only compute actions. A receive goes right before the computation that needs a
+    remote input, a send right after the one that produces a remote output; ``LoadMicroBatch`` before
+    each forward of the first and last model stage (DeepSpeed loads labels on the last stage); every
+    rank ends with ``ReduceTiedGrads, ReduceGrads, OptimizerStep`` as ``TrainSchedule``'s last step.
+    """
+    owner = stage_owners(orders)
+    last = num_model_stages - 1
+    schedule: Schedule = {}
+    for rank, order in orders.items():
+        out: list[Action] = []
+        for a in order:
+            mb, s = a.microbatch, a.stage
+            if isinstance(a, Forward):
+                if s > 0 and owner.get(s - 1) != rank:
+                    out.append(RecvActivation(mb, s, s - 1))
+                if s in (0, last):
+                    out.append(LoadMicroBatch(mb, s))
+                out.append(a)
+                if s < last and owner.get(s + 1) != rank:
+                    out.append(SendActivation(mb, s, s + 1))
+            elif isinstance(a, (Backward, BackwardInput)):
+                if s < last and owner.get(s + 1) != rank:
+                    out.append(RecvGrad(mb, s, s + 1))
+                out.append(a)
+                if s > 0 and owner.get(s - 1) != rank:
+                    out.append(SendGrad(mb, s, s - 1))
+            else:
+                out.append(a)
+        out += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+        schedule[rank] = out
+    return schedule
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward in micro-batch order.
+
+    Peak in-flight activations: ``num_microbatches`` on every rank. Raises ValueError on sizes < 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    orders = {s: [Forward(m, s) for m in range(num_microbatches)] + [Backward(m, s) for m in range(num_microbatches)]
+              for s in range(num_stages)}
+    return with_communication(orders, num_stages)
+
+
+def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int, backward: type) -> list[Action]:
+    """1F1B compute order of one stage: warm-up forwards, then one forward + one backward, then cool-down."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order: list[Action] = [Forward(m, stage) for m in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [Forward(warmup + i, stage), backward(i, stage)]
+    order += [backward(m, stage) for m in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B with fused backwards: the compute order of DeepSpeed's ``TrainSchedule`` on every stage.
+
+    Stage ``s`` runs ``min(p - s - 1, m)`` warm-up forwards, then ``m - warmup`` pairs (forward,
+    backward), then the remaining backwards; peak in-flight activations ``min(p - s, m)``. With equal
+    per-stage times the bubble fraction is ``(p - 1) / (m + p - 1)``. Raises ValueError on sizes < 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    orders = {s: _one_f_one_b_order(s, num_stages, num_microbatches, Backward) for s in range(num_stages)}
+    return with_communication(orders, num_stages)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021 §2.2) with ``chunks`` model chunks per rank.
+
+    ``num_stages`` ranks hold ``num_stages * chunks`` model stages, stage ``c * num_stages + r`` on
+    rank ``r``. Megatron-LM's order (``forward_backward_pipelining_with_interleaving``): the k-th
+    forward of a rank runs chunk ``(k // p) % chunks`` on micro-batch ``(k // (p * chunks)) * p + k % p``,
+    backwards walk the chunks in reverse; warm-up ``(p - r - 1) * 2 + (chunks - 1) * p`` forwards
+    (all of them if that is more), then one forward + one backward, then the cool-down backwards.
+    Raises ValueError if ``num_microbatches`` is not a multiple of ``num_stages`` (Megatron's
+    requirement: micro-batches go through each chunk in groups of ``p``).
+    """
+    _check_sizes(num_stages, num_microbatches, chunks)
+    p, v, m = num_stages, chunks, num_microbatches
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs num_microbatches a multiple of num_stages: {m} micro-batches "
+                         f"over {p} stages; use {m + p - m % p} (or {m - m % p}) micro-batches, or 1F1B")
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        return (k // (p * v)) * p + k % p, chunk
+
+    orders: dict[int, list[Action]] = {}
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        fwd = [Forward(mb, c * p + r) for mb, c in (unit(k, True) for k in range(total))]
+        bwd = [Backward(mb, c * p + r) for mb, c in (unit(k, False) for k in range(total))]
+        order: list[Action] = fwd[:warmup]
+        for i in range(total - warmup):
+            order += [fwd[warmup + i], bwd[i]]
+        order += bwd[total - warmup:]
+        orders[r] = order
+    return with_communication(orders, p * v)
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1), one chunk per rank.
+
+    The forwards and input-gradient passes (B) keep 1F1B's order, so the peak in-flight activations
+    are 1F1B's (``min(p - s, m)``); rank ``r`` runs its first ``r`` steady-state B passes without
+    their weight-gradient pass (W), then each B is followed by the oldest pending W, and the ``r``
+    deferred W passes fill the cool-down bubble at the end. With T_F = T_B = T_W the bubble is about
+    a third of 1F1B's. Raises ValueError on sizes < 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    orders: dict[int, list[Action]] = {}
+    for r in range(num_stages):
+        pending: list[int] = []
+        order: list[Action] = []
+        backwards = 0
+        for a in _one_f_one_b_order(r, num_stages, num_microbatches, BackwardInput):
+            order.append(a)
+            if isinstance(a, BackwardInput):
+                pending.append(a.microbatch)
+                backwards += 1
+                if backwards > r:
+                    order.append(BackwardWeight(pending.pop(0), r))
+        order += [BackwardWeight(mb, r) for mb in pending]
+        orders[r] = order
+    return with_communication(orders, num_stages)
+
+
+def candidate_schedules(num_stages: int, num_microbatches: int, *,
+                        chunks: int = 2) -> dict[str, Callable[[], Schedule]]:
+    """The implemented schedules that apply to these sizes, by name, as zero-argument builders.
+
+    ``interleaved_1f1b`` is included only when ``num_stages > 1`` and ``num_microbatches`` is a
+    multiple of ``num_stages`` (with ``chunks`` chunks per rank).
+    """
+    _check_sizes(num_stages, num_microbatches, chunks)
+    out: dict[str, Callable[[], Schedule]] = {
+        "gpipe": lambda: gpipe(num_stages, num_microbatches),
+        "1f1b": lambda: one_f_one_b(num_stages, num_microbatches),
+        "zb_h1": lambda: zb_h1(num_stages, num_microbatches),
+    }
+    if num_stages > 1 and chunks > 1 and num_microbatches % num_stages == 0:
+        out["interleaved_1f1b"] = lambda: interleaved_1f1b(num_stages, num_microbatches, chunks)
+    return out

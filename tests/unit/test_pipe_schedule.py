@@ -1,0 +1,288 @@
+"""Pipeline schedules as data: generators, validator and simulator (one process, no tensors).
+
+Checks each schedule against the published formulas (1F1B and interleaved bubbles, ZB-H1's bubble,
+peak in-flight activations) and 1F1B against DeepSpeed's own ``TrainSchedule`` (pure Python).
+"""
+from __future__ import annotations
+
+import pytest
+
+from zerospeed.pipe.schedule import (Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
+                                     RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
+                                     candidate_schedules, gpipe, interleaved_1f1b, one_f_one_b, zb_h1)
+from zerospeed.pipe.simulate import StageTimes, best_schedule, simulate, validate
+
+SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)]
+
+
+def _compute(schedule, rank):
+    return [(type(a).__name__, a.microbatch, a.stage) for a in schedule[rank]
+            if isinstance(a, (Forward, Backward, BackwardInput, BackwardWeight))]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_one_f_one_b_matches_deepspeed_train_schedule(p, m):
+    """Per stage, the forward/backward micro-batch sequence equals DeepSpeed's TrainSchedule's.
+
+    Read two ways from deepspeed/runtime/pipe/schedule.py: the micro-batch ids of
+    ``_step_to_micro_batch`` for the steps that compute, and the ForwardPass/BackwardPass buffer ids
+    of ``steps()`` against ours mod ``num_pipe_buffers()``.
+    """
+    ds = pytest.importorskip("deepspeed.runtime.pipe.schedule")
+    ours = one_f_one_b(p, m)
+    for s in range(p):
+        sched = ds.TrainSchedule(micro_batches=m, stages=p, stage_id=s)
+        ids = []
+        for step in range(2 * (m + p - 1)):
+            mb, fwd = sched._step_to_micro_batch(step)
+            if 0 <= mb < m:
+                ids.append(("F" if fwd else "B", mb))
+        buffers = [("F" if isinstance(c, ds.ForwardPass) else "B", c.buffer_id)
+                   for cmds in sched.steps() for c in cmds if isinstance(c, (ds.ForwardPass, ds.BackwardPass))]
+        mine = [("F" if k == "Forward" else "B", mb) for k, mb, _ in _compute(ours, s)]
+        assert mine == ids, f"stage {s} of {p}, {m} micro-batches"
+        assert [(k, mb % sched.num_pipe_buffers()) for k, mb in mine] == buffers
+        tail = [type(a).__name__ for a in ours[s][-3:]]
+        assert tail == ["ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_every_schedule_is_valid(p, m):
+    for name, build in candidate_schedules(p, m, chunks=2).items():
+        validate(build(), p, m, chunks=2 if name == "interleaved_1f1b" else 1)
+    for v in (2, 3):
+        if m % p == 0:
+            validate(interleaved_1f1b(p, m, v), p, m, chunks=v)
+
+
+def test_one_f_one_b_actions_in_full():
+    """Two stages, two micro-batches: receives right before, sends right after, loads on both ends."""
+    assert one_f_one_b(2, 2) == {
+        0: [LoadMicroBatch(0, 0), Forward(0, 0), SendActivation(0, 0, 1),
+            LoadMicroBatch(1, 0), Forward(1, 0), SendActivation(1, 0, 1),
+            RecvGrad(0, 0, 1), Backward(0, 0), RecvGrad(1, 0, 1), Backward(1, 0),
+            ReduceTiedGrads(), ReduceGrads(), OptimizerStep()],
+        1: [RecvActivation(0, 1, 0), LoadMicroBatch(0, 1), Forward(0, 1), Backward(0, 1), SendGrad(0, 1, 0),
+            RecvActivation(1, 1, 0), LoadMicroBatch(1, 1), Forward(1, 1), Backward(1, 1), SendGrad(1, 1, 0),
+            ReduceTiedGrads(), ReduceGrads(), OptimizerStep()],
+    }
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 8) for m in (1, 3, 4, 8, 16)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (0.5, 0.75, 0.25)])
+def test_one_f_one_b_bubble_formula(p, m, f, b, w):
+    """Equal stage times, no latency: bubble (p - 1) / (m + p - 1), step (m + p - 1)(F + B + W)."""
+    r = simulate(one_f_one_b(p, m), StageTimes(f, b, w))
+    assert r.step_time == pytest.approx((m + p - 1) * (f + b + w), rel=1e-12)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12, abs=1e-12)
+    assert r.per_rank_busy == pytest.approx([m * (f + b + w)] * p)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 3), (4, 8), (5, 7)])
+def test_peak_activations(p, m):
+    assert simulate(gpipe(p, m)).peak_activations_per_rank == (m,) * p
+    assert simulate(one_f_one_b(p, m)).peak_activations_per_rank == tuple(min(p - r, m) for r in range(p))
+    assert simulate(gpipe(p, m)).step_time == simulate(one_f_one_b(p, m)).step_time
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 5), (4, 4), (4, 8), (6, 12)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.0, 1.0)])
+def test_zb_h1_smaller_bubble_same_memory(p, m, f, b, w):
+    """Qi et al. 2024 §3.1: ZB-H1's bubble is (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W)."""
+    times = StageTimes(f, b, w)
+    zb, base = simulate(zb_h1(p, m), times), simulate(one_f_one_b(p, m), times)
+    assert zb.bubble_fraction < base.bubble_fraction
+    assert zb.peak_activations_per_rank == base.peak_activations_per_rank
+    assert zb.step_time == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w), rel=1e-12)
+
+
+def test_zb_h1_without_weight_time_is_one_f_one_b():
+    times = StageTimes(1.0, 2.0, 0.0)
+    assert simulate(zb_h1(4, 8), times) == simulate(one_f_one_b(4, 8), times)
+
+
+def test_zb_h1_defers_rank_r_weight_passes():
+    """Rank r holds r weight-gradient passes back: after its last B it still runs r + 1 W passes."""
+    s = zb_h1(4, 8)
+    for r in range(4):
+        comp = _compute(s, r)
+        tail = comp[len(comp) - r - 2:]
+        assert [k for k, _, _ in tail] == ["BackwardInput"] + ["BackwardWeight"] * (r + 1)
+        assert [mb for _, mb, _ in tail[1:]] == list(range(8 - r - 1, 8))
+
+
+@pytest.mark.parametrize("p,k", [(2, 1), (2, 4), (3, 2), (4, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_bubble_formula(p, k, v):
+    """Narayanan et al. 2021 §2.2: bubble (p - 1) / (v m + p - 1) with each chunk 1/v of a rank's time.
+
+    The paper derives it for per-chunk times t/v and no communication cost, exactly what the
+    simulator models at zero latency, and Megatron's order reaches it exactly for every size tried;
+    the tolerance (1e-9) covers only float rounding. A latency makes the bubble larger.
+    """
+    m = p * k
+    times = StageTimes(1.0, 1.5, 0.5)
+    r = simulate(interleaved_1f1b(p, m, v), times)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-9)
+    assert r.per_rank_busy == pytest.approx([m * 3.0] * p)
+    assert r.bubble_fraction < simulate(one_f_one_b(p, m), times).bubble_fraction
+    slow = simulate(interleaved_1f1b(p, m, v), StageTimes(1.0, 1.5, 0.5, send_latency=0.1))
+    assert slow.bubble_fraction > r.bubble_fraction
+
+
+def test_interleaved_layout_and_order():
+    s = interleaved_1f1b(2, 4, 2)
+    # model stage c * p + r on rank r
+    assert {a.stage for a in s[0] if isinstance(a, Forward)} == {0, 2}
+    assert {a.stage for a in s[1] if isinstance(a, Forward)} == {1, 3}
+    # Megatron: micro-batches 0, 1 through chunk 0, then through chunk 1, then 2, 3 ...
+    fwd0 = [(a.microbatch, a.stage) for a in s[0] if isinstance(a, Forward)]
+    assert fwd0 == [(0, 0), (1, 0), (0, 2), (1, 2), (2, 0), (3, 0), (2, 2), (3, 2)]
+    bwd0 = [(a.microbatch, a.stage) for a in s[0] if isinstance(a, Backward)]
+    assert bwd0 == [(0, 2), (1, 2), (0, 0), (1, 0), (2, 2), (3, 2), (2, 0), (3, 0)]
+    # stage 3 hands its gradient to stage 2 (rank 0); stage 1 -> 2 is a message too
+    assert SendActivation(0, 1, 2) in s[1] and RecvGrad(0, 2, 3) in s[0]
+
+
+def test_interleaved_rejects_uneven_microbatches():
+    with pytest.raises(ValueError, match="multiple of num_stages: 6 micro-batches over 4 stages; use 8"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        interleaved_1f1b(4, 8, 0)
+    assert "interleaved_1f1b" not in candidate_schedules(4, 6)
+
+
+def _replace(actions, old, new):
+    out = list(actions)
+    out[out.index(old)] = new
+    return out
+
+
+def _swap(actions, a, b):
+    out = list(actions)
+    i, j = out.index(a), out.index(b)
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
+def test_validate_backward_before_forward():
+    s = one_f_one_b(1, 2)
+    s[0] = _swap(s[0], Forward(1, 0), Backward(1, 0))
+    with pytest.raises(ValueError, match=r"rank 0, action \d+ Backward\(microbatch=1, stage=0\): backward precedes "
+                                         r"its forward"):
+        validate(s, 1, 2)
+
+
+def test_validate_weight_before_input_gradient():
+    s = zb_h1(2, 3)
+    s[1] = _swap(s[1], BackwardInput(0, 1), BackwardWeight(0, 1))
+    with pytest.raises(ValueError, match=r"rank 1, .*BackwardWeight\(microbatch=0, stage=1\): weight-gradient pass "
+                                         r"precedes its input-gradient pass"):
+        validate(s, 2, 3)
+
+
+def test_validate_forward_before_its_input_arrived():
+    s = one_f_one_b(2, 2)
+    s[1] = _swap(s[1], RecvActivation(1, 1, 0), Forward(1, 1))
+    with pytest.raises(ValueError, match=r"rank 1, .*Forward\(microbatch=1, stage=1\): runs before its input is here"):
+        validate(s, 2, 2)
+
+
+def test_validate_missing_backward_and_forward():
+    s = gpipe(2, 3)
+    s[0] = [a for a in s[0] if a != Backward(2, 0)]
+    with pytest.raises(ValueError, match="micro-batch 2 on model stage 0 .rank 0. misses its backward"):
+        validate(s, 2, 3)
+    s = zb_h1(2, 3)
+    s[0] = [a for a in s[0] if a != BackwardWeight(1, 0)]
+    with pytest.raises(ValueError, match="micro-batch 1 on model stage 0 .rank 0. misses its weight-gradient pass"):
+        validate(s, 2, 3)
+    with pytest.raises(ValueError, match="micro-batch 3 on model stage 0 .rank 0. misses its forward"):
+        validate(gpipe(2, 3), 2, 4)
+
+
+def test_validate_receives_out_of_send_order():
+    s = gpipe(2, 2)
+    s[1] = _swap(s[1], RecvActivation(0, 1, 0), RecvActivation(1, 1, 0))
+    s[1] = _swap(s[1], Forward(0, 1), Forward(1, 1))
+    s[1] = _swap(s[1], LoadMicroBatch(0, 1), LoadMicroBatch(1, 1))
+    with pytest.raises(ValueError, match=r"rank 1, .*RecvActivation\(microbatch=1, stage=1, peer=0\): the next "
+                                         r"message from rank 0 is \('activation', 0, 0, 1\)"):
+        validate(s, 2, 2)
+
+
+def test_validate_deadlock_names_the_waiting_ranks():
+    """Each rank first waits for what the other sends only after its own receive: no one moves."""
+    s = one_f_one_b(2, 1)
+    s[0] = [RecvGrad(0, 0, 1), LoadMicroBatch(0, 0), Forward(0, 0), SendActivation(0, 0, 1), Backward(0, 0),
+            OptimizerStep()]
+    with pytest.raises(ValueError, match=r"deadlock: no rank can advance \(rank 0 waits at action 0 "
+                                         r"RecvGrad\(microbatch=0, stage=0, peer=1\); rank 1 waits at action 0 "
+                                         r"RecvActivation\(microbatch=0, stage=1, peer=0\)\)"):
+        validate(s, 2, 1)
+
+
+def test_validate_missing_message_bad_peer_and_late_step():
+    s = gpipe(2, 1)
+    s[1] = [a for a in s[1] if a != SendGrad(0, 1, 0)]
+    s[0] = [a for a in s[0] if a != RecvGrad(0, 0, 1)]
+    with pytest.raises(ValueError, match=r"rank 0, .*Backward\(microbatch=0, stage=0\): runs before its output "
+                                         r"gradient is here: put RecvGrad\(microbatch=0, stage=0, peer=1\) before it"):
+        validate(s, 2, 1)
+    s = gpipe(2, 1)
+    s[0] = _replace(s[0], SendActivation(0, 0, 1), SendActivation(0, 0, 0))
+    with pytest.raises(ValueError, match="peer must be the neighbouring model stage 1"):
+        validate(s, 2, 1)
+    s = gpipe(2, 1)
+    s[0] = s[0] + [SendActivation(0, 0, 1)]
+    with pytest.raises(ValueError, match="appears twice on this rank"):
+        validate(s, 2, 1)
+    s = gpipe(2, 2)
+    s[0].remove(OptimizerStep())
+    s[0].insert(s[0].index(Backward(1, 0)), OptimizerStep())
+    with pytest.raises(ValueError, match=r"Backward\(microbatch=1, stage=0\): runs after OptimizerStep"):
+        validate(s, 2, 2)
+    s = gpipe(2, 1)
+    s[0] = _swap(s[0], Forward(0, 0), SendActivation(0, 0, 1))
+    with pytest.raises(ValueError, match=r"sends an activation before Forward\(0, 0\) produced it"):
+        validate(s, 2, 1)
+
+
+def test_validate_shape_errors():
+    with pytest.raises(ValueError, match=r"ranks 0..2; got ranks \[0, 1\]"):
+        validate(gpipe(2, 2), 3, 2)
+    with pytest.raises(ValueError, match=r"2 ranks x 2 chunks make model stages 0..3, but stages \[2, 3\] have no "
+                                         r"computation"):
+        validate(gpipe(2, 2), 2, 2, chunks=2)
+    s = gpipe(2, 1)
+    s[1] = s[1] + [Forward(0, 0)]
+    with pytest.raises(ValueError, match="computes model stage 0, which rank 0 computes too"):
+        validate(s, 2, 1)
+    s = gpipe(2, 1)
+    s[0] = s[0] + ["step"]
+    with pytest.raises(ValueError, match="is not an action of zerospeed.pipe.schedule"):
+        validate(s, 2, 1)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int, got 0"):
+        one_f_one_b(2, 0)
+
+
+def test_stage_times_per_stage_and_errors():
+    slow_last = StageTimes(forward=[1.0, 1.0, 2.0], backward_input=[1.0, 1.0, 2.0], backward_weight=0.0)
+    r = simulate(one_f_one_b(3, 4), slow_last)
+    assert r.per_rank_busy == (8.0, 8.0, 16.0)
+    assert r.step_time >= 16.0 + 2 * 2.0  # the slow stage runs every micro-batch, plus the fill and drain
+    with pytest.raises(ValueError, match="StageTimes.forward has 2 entries but the schedule has 3 pipeline stages"):
+        simulate(one_f_one_b(3, 4), StageTimes(forward=[1.0, 1.0]))
+    with pytest.raises(ValueError, match="StageTimes.backward_weight is negative on stage 0"):
+        simulate(one_f_one_b(3, 4), StageTimes(backward_weight=-1.0))
+    assert simulate(one_f_one_b(3, 4), StageTimes(send_latency=0.5)).step_time > simulate(one_f_one_b(3, 4)).step_time
+
+
+def test_best_schedule():
+    name, r = best_schedule(4, 8, StageTimes(1.0, 1.0, 1.0))
+    assert name == "zb_h1" and r == simulate(zb_h1(4, 8), StageTimes(1.0, 1.0, 1.0))
+    # no weight-gradient time to defer: interleaving shrinks the bubble instead
+    assert best_schedule(4, 8, StageTimes(1.0, 2.0, 0.0))[0] == "interleaved_1f1b"
+    # gpipe, 1f1b and zb_h1 tie without weight time and without interleaving: the lowest memory wins
+    assert best_schedule(4, 6, StageTimes(1.0, 2.0, 0.0))[0] == "1f1b"
+    assert best_schedule(1, 3)[0] == "1f1b"
