@@ -35,6 +35,8 @@ LAYERS = [{"utils", "accelerator"}, {"config"}, {"comm"}, {"parallel"}, {"precis
           {"optim"}, {"ops"}, {"runtime"}]
 SIDE = {"pipe", "tensor_parallel", "moe", "checkpointing", "monitor", "profiling", "launcher"}
 SIDE_MAY_IMPORT = {"utils", "accelerator", "comm"}
+# pipe: a pipeline's stages are the mesh's "pipe" dimension, so it reads parallel.topology (rank -> stage).
+SIDE_EXTRA = {"pipe": {"parallel"}}
 TOOLS = {"__init__", "cli", "testing", "demo", "autotuning", "inference"}
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -124,7 +126,7 @@ def _allowed(src: str, dst: str) -> bool:
     if src == "runtime":
         return True
     if src in SIDE:
-        return dst in SIDE_MAY_IMPORT
+        return dst in SIDE_MAY_IMPORT or dst in SIDE_EXTRA.get(src, set())
     return dst in RANK and RANK[dst] <= RANK[src]
 
 
