@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from types import SimpleNamespace
+
 from zerospeed.pipe.schedule import (Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
                                      RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
-                                     candidate_schedules, gpipe, interleaved_1f1b, one_f_one_b, zb_h1)
+                                     candidate_schedules, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v)
 from zerospeed.pipe.simulate import StageTimes, best_schedule, simulate, validate
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)]
@@ -49,7 +51,7 @@ def test_one_f_one_b_matches_deepspeed_train_schedule(p, m):
 @pytest.mark.parametrize("p,m", SIZES)
 def test_every_schedule_is_valid(p, m):
     for name, build in candidate_schedules(p, m, chunks=2).items():
-        validate(build(), p, m, chunks=2 if name == "interleaved_1f1b" else 1)
+        validate(build(), p, m, chunks=2 if name in ("interleaved_1f1b", "zb_v") else 1)
     for v in (2, 3):
         if m % p == 0:
             validate(interleaved_1f1b(p, m, v), p, m, chunks=v)
@@ -234,6 +236,14 @@ def test_validate_missing_message_bad_peer_and_late_step():
     with pytest.raises(ValueError, match="peer must be the neighbouring model stage 1"):
         validate(s, 2, 1)
     s = gpipe(2, 1)
+    s[0] = [RecvActivation(0, 0, -1)] + s[0]
+    with pytest.raises(ValueError, match="model stage 0 has no neighbour -1 to exchange this with"):
+        validate(s, 2, 1)
+    s = gpipe(2, 1)
+    s[0] = s[0] + [LoadMicroBatch(0, 1)]
+    with pytest.raises(ValueError, match="model stage 1 is computed on rank 1, not here"):
+        validate(s, 2, 1)
+    s = gpipe(2, 1)
     s[0] = s[0] + [SendActivation(0, 0, 1)]
     with pytest.raises(ValueError, match="appears twice on this rank"):
         validate(s, 2, 1)
@@ -279,10 +289,71 @@ def test_stage_times_per_stage_and_errors():
 
 
 def test_best_schedule():
-    name, r = best_schedule(4, 8, StageTimes(1.0, 1.0, 1.0))
-    assert name == "zb_h1" and r == simulate(zb_h1(4, 8), StageTimes(1.0, 1.0, 1.0))
+    times = StageTimes(1.0, 1.0, 1.0)
+    name, r = best_schedule(4, 8, times)
+    assert name == "zb_v" and r == simulate(zb_v(4, 8), times)
+    # a message costs 2 forwards: the 1F1B family waits a round trip per steady-state micro-batch,
+    # GPipe streams its forwards (45 s against ZB-H1's 57 s) at the cost of m activations per rank
+    assert best_schedule(4, 8, StageTimes(1.0, 1.0, 1.0, send_latency=2.0))[0] == "gpipe"
     # no weight-gradient time to defer: interleaving shrinks the bubble instead
     assert best_schedule(4, 8, StageTimes(1.0, 2.0, 0.0))[0] == "interleaved_1f1b"
-    # gpipe, 1f1b and zb_h1 tie without weight time and without interleaving: the lowest memory wins
-    assert best_schedule(4, 6, StageTimes(1.0, 2.0, 0.0))[0] == "1f1b"
-    assert best_schedule(1, 3)[0] == "1f1b"
+    assert best_schedule(1, 3)[0] == "1f1b"  # one rank: all tie, the lowest peak memory wins
+
+
+def _torch_order(cls, p, m, chunks):
+    """Compute order of a torch.distributed.pipelining schedule class, without processes.
+
+    Calls its ``_calculate_single_rank_operations(rank)`` (private, pure Python in torch 2.13) on a
+    namespace carrying the attributes its ``__init__`` would set from the stages.
+    """
+    kinds = {"FORWARD": Forward, "BACKWARD_INPUT": BackwardInput, "BACKWARD_WEIGHT": BackwardWeight,
+             "FULL_BACKWARD": Backward}
+    rounds = max(1, m // p)
+    ns = SimpleNamespace(pp_group_size=p, n_local_stages=chunks, _n_microbatches=m, num_stages=p * chunks,
+                         number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    return {r: [kinds[a.computation_type.name](a.microbatch_index, a.stage_index)
+                for a in cls._calculate_single_rank_operations(ns, r) if a is not None] for r in range(p)}
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8, 12)])
+def test_orders_match_torch_pipelining(p, m):
+    """interleaved_1f1b, zb_h1 and zb_v give torch 2.13's Interleaved1F1B, InterleavedZeroBubble
+    (one chunk) and ZBVZeroBubble compute orders."""
+    T = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+    def ours(s):
+        return {r: [a for a in acts if isinstance(a, (Forward, Backward, BackwardInput, BackwardWeight))]
+                for r, acts in s.items()}
+    assert ours(zb_v(p, m)) == _torch_order(T.ScheduleZBVZeroBubble, p, m, 2)
+    assert ours(zb_h1(p, m)) == _torch_order(T.ScheduleInterleavedZeroBubble, p, m, 1)
+    if m % p == 0:
+        for v in (2, 3):
+            assert ours(interleaved_1f1b(p, m, v)) == _torch_order(T.ScheduleInterleaved1F1B, p, m, v)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_zb_v_bubble_and_memory(p, k):
+    """Qi et al. 2024 §6. With T_F = T_B = T_W per chunk and m >= 2p, the only idle time is the
+    start-up, (p - 1) chunk forwards: step = m (F + B + W) + (p - 1) F / 2; every rank peaks at 2p
+    (micro-batch, chunk) pairs = p stages' activations, 1F1B's first-stage peak."""
+    m = p * k
+    times = StageTimes(1.0, 1.0, 1.0)
+    r = simulate(zb_v(p, m), times)
+    assert r.step_time == pytest.approx(m * 3.0 + (p - 1) * 0.5, rel=1e-12)
+    assert r.step_time < simulate(zb_h1(p, m), times).step_time
+    assert r.peak_activations_per_rank == (2 * p,) * p
+    assert max(r.peak_activations_per_rank) / 2 == max(simulate(one_f_one_b(p, m), times).peak_activations_per_rank)
+
+
+def test_zb_v_layout_and_receive_order():
+    """Rank r holds stages r and 2p - 1 - r; stages p - 1 and p share a rank, so no message between
+    them. Rank 0 sends micro-batch 2's activation before micro-batch 0's gradient, so rank 1 receives
+    them in that order although it needs the gradient first."""
+    s = zb_v(2, 4)
+    assert {a.stage for a in s[0] if isinstance(a, Forward)} == {0, 3}
+    assert {a.stage for a in s[1] if isinstance(a, Forward)} == {1, 2}
+    assert not any(isinstance(a, (SendActivation, RecvActivation)) and {a.stage, a.peer} == {1, 2}
+                   for acts in s.values() for a in acts)
+    assert s[1].index(RecvActivation(2, 1, 0)) < s[1].index(RecvGrad(0, 2, 3)) < s[1].index(BackwardInput(0, 2))
+    assert s[1].index(Forward(2, 1)) > s[1].index(BackwardInput(0, 2))

@@ -32,8 +32,9 @@ zerospeed action                           DeepSpeed instruction
 
 In ``Send*``/``Recv*`` ``stage`` is the local (this rank's) model stage and ``peer`` the remote one.
 Sends are placed right after the computation that produces them and receives right before the one
-that needs them (torch.distributed.pipelining's ``_add_send_recv`` does the same); a message between
-two stages on the same rank is not sent at all.
+that needs them (torch.distributed.pipelining's ``_add_send_recv`` does the same), or earlier where
+a peer rank sent an earlier message that must be received first (messages between two ranks match
+in order); a message between two stages on the same rank is not sent at all.
 
 Generators (``num_stages`` = pipeline ranks, as DeepSpeed's ``PipelineModule(num_stages=...)``;
 ``num_microbatches`` = micro-batches per batch = gradient_accumulation_steps):
@@ -47,6 +48,12 @@ Generators (``num_stages`` = pipeline ranks, as DeepSpeed's ``PipelineModule(num
   input-gradient passes with rank ``r`` deferring ``r`` weight-gradient passes into the cool-down
   bubble (the order of torch.distributed.pipelining's ``_get_1f1b_rank_ops(enable_zero_bubble=True)``
   with one chunk); same in-flight micro-batches as 1F1B.
+* ``zb_v``: Qi et al. 2024 §6, two chunks per rank in a V (rank ``r`` holds stages ``r`` and
+  ``2p - 1 - r``), torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` order.
+
+``interleaved_1f1b``, ``zb_h1`` and ``zb_v`` give the compute order of torch 2.13's
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one chunk) and
+``ScheduleZBVZeroBubble``; ``one_f_one_b`` that of DeepSpeed's ``TrainSchedule`` (tests check all four).
 """
 from __future__ import annotations
 
@@ -170,9 +177,11 @@ def with_communication(orders: dict[int, list[Action]], num_model_stages: int) -
     """Add loads, sends, receives and the end-of-batch markers to per-rank compute orders.
 
     ``orders`` holds only compute actions. A receive goes right before the computation that needs a
-    remote input, a send right after the one that produces a remote output; ``LoadMicroBatch`` before
-    each forward of the first and last model stage (DeepSpeed loads labels on the last stage); every
-    rank ends with ``ReduceTiedGrads, ReduceGrads, OptimizerStep`` as ``TrainSchedule``'s last step.
+    remote input (or earlier, to keep each peer's send order), a send right after the one that
+    produces a remote output; ``LoadMicroBatch`` before each forward of the first and last model
+    stage (DeepSpeed loads labels on the last stage); every rank ends with ``ReduceTiedGrads,
+    ReduceGrads, OptimizerStep`` as ``TrainSchedule``'s last step. Raises ValueError if a model
+    stage is computed on two ranks.
     """
     owner = stage_owners(orders)
     last = num_model_stages - 1
@@ -199,7 +208,48 @@ def with_communication(orders: dict[int, list[Action]], num_model_stages: int) -
                 out.append(a)
         out += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
         schedule[rank] = out
-    return schedule
+    return _receive_in_send_order(schedule, owner)
+
+
+def message_key(a: Action) -> tuple:
+    """(kind, micro-batch, source stage, destination stage) of a send or receive."""
+    if isinstance(a, (SendActivation, SendGrad)):
+        return ("activation" if isinstance(a, SendActivation) else "grad", a.microbatch, a.stage, a.peer)
+    return ("activation" if isinstance(a, RecvActivation) else "grad", a.microbatch, a.peer, a.stage)
+
+
+def _receive_in_send_order(schedule: Schedule, owner: dict[int, int]) -> Schedule:
+    """Move receives earlier so each rank receives from each peer rank in that peer's send order.
+
+    Point-to-point messages between two ranks match in order. When a rank needs a message that its
+    peer sent after another one (ZB-V: rank 0 sends micro-batch 2's activation before micro-batch
+    0's gradient, rank 1 needs the gradient first), the earlier message's receive moves up to just
+    before the needed one. It costs nothing in the simulator: the earlier message was sent first.
+    """
+    sent: dict[tuple[int, int], list[tuple]] = {}
+    for rank, actions in schedule.items():
+        for a in actions:
+            if isinstance(a, (SendActivation, SendGrad)):
+                sent.setdefault((rank, owner[a.peer]), []).append(message_key(a))
+    out: Schedule = {}
+    for rank, actions in schedule.items():
+        queues = {src: list(msgs) for (src, dst), msgs in sent.items() if dst == rank}
+        moved: set = set()
+        new: list[Action] = []
+        for a in actions:
+            if isinstance(a, (RecvActivation, RecvGrad)):
+                if a in moved:
+                    continue
+                queue, key = queues.get(owner.get(a.peer), []), message_key(a)
+                if key in queue:
+                    for kind, mb, src, dst in queue[:queue.index(key)]:
+                        early = (RecvActivation if kind == "activation" else RecvGrad)(mb, dst, src)
+                        new.append(early)
+                        moved.add(early)
+                    del queue[:queue.index(key) + 1]
+            new.append(a)
+        out[rank] = new
+    return out
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
@@ -299,12 +349,63 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return with_communication(orders, num_stages)
 
 
+def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024 §6), two chunks per rank in a V: rank ``r`` holds model stages ``r`` and
+    ``2p - 1 - r``, so the first and last model stages share rank 0 and stages ``p - 1`` and ``p``
+    need no message.
+
+    The order of torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` (torch 2.13,
+    ``_calculate_single_rank_operations``): warm-up ``2(p - r) - 1`` chunk-0 forwards, ``r`` pairs
+    (chunk-1 F, chunk-0 F), ``p - r`` triples (chunk-1 F, B, W); steady state F/B/W on chunk 0 then
+    chunk 1; cool-down input-gradient passes with the deferred weight-gradient passes last. Planned for
+    ``max(2p - 1, m)`` micro-batches and cut to ``m``. With T_F = T_B = T_W per chunk the bubble
+    nearly vanishes for ``m >= 2p``; peak in-flight (micro-batch, chunk) pairs ``2p`` on rank 0, the
+    activations of ``p`` whole stages, as 1F1B's first stage. Raises ValueError on sizes < 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    n_micro = max(2 * p - 1, m)
+    orders: dict[int, list[Action]] = {}
+    for r in range(p):
+        chunk_stage = (r, 2 * p - 1 - r)
+        count = {(kind, c): 0 for kind in (Forward, BackwardInput) for c in (0, 1)}
+
+        def take(kind: type, c: int) -> Action:
+            count[kind, c] += 1
+            return kind(count[kind, c] - 1, chunk_stage[c])
+
+        def fbw(c: int) -> list[Action]:
+            b = take(BackwardInput, c)
+            return [take(Forward, c), b, BackwardWeight(b.microbatch, b.stage)]
+
+        ops: list[Action] = [take(Forward, 0) for _ in range(2 * (p - r) - 1)]
+        for _ in range(r):
+            ops += [take(Forward, 1), take(Forward, 0)]
+        for _ in range(p - r):
+            ops += fbw(1)
+        while count[Forward, 1] < count[Forward, 0] or count[Forward, 0] < n_micro:
+            if count[Forward, 0] < n_micro:
+                ops.append(take(Forward, 0))
+            b = take(BackwardInput, 0)
+            ops += [b, BackwardWeight(b.microbatch, b.stage)] + fbw(1)
+        w0, w1 = count[BackwardInput, 0], count[BackwardInput, 1]
+        for _ in range(r):
+            ops += [take(BackwardInput, 0), take(BackwardInput, 1)]
+        for _ in range(p - r):
+            ops += [take(BackwardInput, 0), BackwardWeight(w0, chunk_stage[0])]
+            w0 += 1
+        ops += [BackwardWeight(mb, chunk_stage[1]) for mb in range(w1, count[BackwardInput, 1])]
+        ops += [BackwardWeight(mb, chunk_stage[0]) for mb in range(w0, count[BackwardInput, 0])]
+        orders[r] = [a for a in ops if a.microbatch < m]
+    return with_communication(orders, 2 * p)
+
+
 def candidate_schedules(num_stages: int, num_microbatches: int, *,
                         chunks: int = 2) -> dict[str, Callable[[], Schedule]]:
     """The implemented schedules that apply to these sizes, by name, as zero-argument builders.
 
     ``interleaved_1f1b`` is included only when ``num_stages > 1`` and ``num_microbatches`` is a
-    multiple of ``num_stages`` (with ``chunks`` chunks per rank).
+    multiple of ``num_stages`` (with ``chunks`` chunks per rank); ``zb_v`` always (two chunks).
     """
     _check_sizes(num_stages, num_microbatches, chunks)
     out: dict[str, Callable[[], Schedule]] = {
@@ -314,4 +415,5 @@ def candidate_schedules(num_stages: int, num_microbatches: int, *,
     }
     if num_stages > 1 and chunks > 1 and num_microbatches % num_stages == 0:
         out["interleaved_1f1b"] = lambda: interleaved_1f1b(num_stages, num_microbatches, chunks)
+    out["zb_v"] = lambda: zb_v(num_stages, num_microbatches)
     return out

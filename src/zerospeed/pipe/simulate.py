@@ -19,7 +19,7 @@ from typing import Mapping, Sequence, Union
 
 from zerospeed.pipe.schedule import (COMM, COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, OptimizerStep,
                                      RecvActivation, RecvGrad, Schedule, SendActivation, SendGrad,
-                                     candidate_schedules, stage_owners)
+                                     candidate_schedules, message_key, stage_owners)
 
 PerStage = Union[float, Sequence[float]]
 
@@ -96,7 +96,7 @@ def _check_order(schedule: Schedule, owner: Mapping[int, int], num_model_stages:
                 raise _fail(rank, i, a, f"micro-batch {mb} is outside 0..{num_microbatches - 1}")
             if not 0 <= s <= last:
                 raise _fail(rank, i, a, f"model stage {s} is outside 0..{last}")
-            if isinstance(a, COMPUTE + COMM) and owner.get(s) != rank:
+            if owner.get(s) != rank:
                 raise _fail(rank, i, a, f"model stage {s} is computed on rank {owner.get(s)}, not here")
             if a in seen:
                 raise _fail(rank, i, a, "appears twice on this rank; each action runs once per batch")
@@ -125,7 +125,10 @@ def _check_order(schedule: Schedule, owner: Mapping[int, int], num_model_stages:
                                             f"BackwardInput({mb}, {s}) before it")
             elif isinstance(a, (SendActivation, RecvActivation, SendGrad, RecvGrad)):
                 want = s + 1 if isinstance(a, (SendActivation, RecvGrad)) else s - 1
-                if a.peer != want or not 0 <= want <= last:
+                if not 0 <= want <= last:
+                    raise _fail(rank, i, a, f"model stage {s} has no neighbour {want} to exchange this with; "
+                                            f"drop the message")
+                if a.peer != want:
                     raise _fail(rank, i, a, f"peer must be the neighbouring model stage {want}")
                 if owner.get(a.peer) == rank:
                     raise _fail(rank, i, a, f"stage {a.peer} is on this rank too; drop the message")
@@ -151,17 +154,6 @@ def _check_order(schedule: Schedule, owner: Mapping[int, int], num_model_stages:
                 raise ValueError(f"micro-batch {mb} on model stage {s} (rank {owner.get(s)}) misses its {missing}")
 
 
-def _message(a) -> tuple:
-    """(kind, micro-batch, source stage, destination stage) of a send or receive."""
-    if isinstance(a, SendActivation):
-        return ("activation", a.microbatch, a.stage, a.peer)
-    if isinstance(a, RecvActivation):
-        return ("activation", a.microbatch, a.peer, a.stage)
-    if isinstance(a, SendGrad):
-        return ("grad", a.microbatch, a.stage, a.peer)
-    return ("grad", a.microbatch, a.peer, a.stage)
-
-
 def _run(schedule: Schedule, owner: Mapping[int, int], times: StageTimes, chunks: int) -> Result:
     """Execute with blocking receives; raise ValueError on a mismatched message or a deadlock."""
     ranks = sorted(schedule)
@@ -183,13 +175,13 @@ def _run(schedule: Schedule, owner: Mapping[int, int], times: StageTimes, chunks
                     if not queue:
                         break
                     sent, at = queue.popleft()
-                    if sent != _message(a):
+                    if sent != message_key(a):
                         raise _fail(r, pos[r], a, f"the next message from rank {owner[a.peer]} is {sent} "
                                                   f"(kind, micro-batch, from stage, to stage): receives must "
                                                   f"come in the order of the sends")
                     clock[r] = max(clock[r], at + times.send_latency)
                 elif isinstance(a, (SendActivation, SendGrad)):
-                    channels.setdefault((r, owner[a.peer]), deque()).append((_message(a), clock[r]))
+                    channels.setdefault((r, owner[a.peer]), deque()).append((message_key(a), clock[r]))
                 elif isinstance(a, COMPUTE):
                     f = times._at("forward", r, n) / chunks
                     b = times._at("backward_input", r, n) / chunks
