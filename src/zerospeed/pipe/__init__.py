@@ -2,8 +2,10 @@
 of `LayerSpec`s / `TiedLayerSpec`s, split into stages by `partition.py`'s pure partition math; schedules as
 data (`schedule.py`: gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v) checked and timed by `simulate.py`.
 
-So far: the module and its partitioning, the schedules and their simulator (one process, no engine, no
-communication). The engine, point-to-point activations and the tied-gradient all-reduce come next.
+So far: the module and its partitioning, the schedules and their simulator, and (in `runtime/pipe_engine.py`,
+built by `zerospeed.initialize(model=pipeline_module)`) `engine.train_batch(data_iter)` running 1F1B with
+ZeRO 0/1 over the data-parallel ranks. Other schedules in the engine, tied layers across stages, ZeRO 2,
+fp16 and pipeline checkpoints in the topology-independent format come next.
 `DualPipeVModule` (also in `deepspeed.pipe`) comes with its engine.
 """
 from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec

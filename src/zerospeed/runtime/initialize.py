@@ -29,6 +29,7 @@ from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
+from .pipe_engine import PipelineEngine
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
@@ -56,8 +57,12 @@ def _config_source(args, config, config_params):
     return source
 
 
-def _dp_world_size(mpu) -> int:
-    """The data-parallel world size the batch triple counts: the mpu's data-parallel size, else the world."""
+def _dp_world_size(mpu, model=None) -> int:
+    """The data-parallel world size the batch triple counts: the mpu's data-parallel size, the world over a
+    PipelineModule's stages, else the world."""
+    if _is_pipeline(model):
+        world = dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
+        return max(1, world // model.num_stages)
     if mpu is not None:
         if not dist.is_initialized():
             raise RuntimeError("initialize(mpu=...) needs torch.distributed initialised first: the mpu's process "
@@ -203,13 +208,16 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
                                  world=dist.get_world_size(group), param_bytes=itemsize)
 
 
-def _model_parallel_grads(model: nn.Module, mesh):
+def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False):
     """How tensor parallelism splits the gradient (for the global norm), or None when nothing is sharded.
     Sharded: the parameters of zerospeed's tensor-parallel layers, and those Megatron-LM marks
     `tensor_model_parallel=True` (a user's mpu with Megatron layers, as DeepSpeed reads it)."""
+    from ..zero.clipping import ModelParallelGrads
+
+    if pipeline:  # every stage holds its own layers: squares summed over the pipe group, nothing replicated
+        return ModelParallelGrads(group=mesh.group("pipe"), size=mesh.size("pipe"), replicated=frozenset())
     if mesh.size("tensor") == 1:
         return None
-    from ..zero.clipping import ModelParallelGrads
 
     sharded = {id(getattr(layer, pn)) for _, layer in tensor_parallel_layers(model)
                for pn, spec in layer.shard_specs.items() if spec is not None}
@@ -218,6 +226,28 @@ def _model_parallel_grads(model: nn.Module, mesh):
         return None
     return ModelParallelGrads(group=mesh.group("tensor"), size=mesh.size("tensor"),
                               replicated=frozenset(id(p) for p in model.parameters() if id(p) not in sharded))
+
+
+def _is_pipeline(model) -> bool:
+    from ..pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
+    """What this version of the pipeline engine runs; NotImplementedError naming anything else."""
+    stage = cfg.zero_optimization.stage
+    if stage >= 2:
+        raise NotImplementedError(f"zero_optimization.stage={stage} with a PipelineModule is not supported yet: use "
+                                  "stage 0 or 1 (as DeepSpeed)")
+    if cfg.fp16.enabled:
+        raise NotImplementedError("fp16 with a PipelineModule is not supported yet: use bf16 or fp32")
+    if mpu is not None or cfg.tensor_parallel.size > 1:
+        raise NotImplementedError("a PipelineModule with initialize(mpu=...) or tensor_parallel.autotp_size is not "
+                                  "supported yet: the pipeline builds its own (pipe, data) mesh")
+    if getattr(model, "tied_modules", None):
+        raise NotImplementedError(f"layers tied across pipeline stages ({sorted(model.tied_modules)}) are not "
+                                  "supported yet by the pipeline engine")
 
 
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
@@ -273,8 +303,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if tp_mesh is not None:
         source, mpu = merge_tp_model_init(source, model, tp_mesh, mpu), None
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    cfg = load_config(source, dp_world_size=_dp_world_size(mpu), client_optimizer=client_opt, model=model)
+    cfg = load_config(source, dp_world_size=_dp_world_size(mpu, model), client_optimizer=client_opt, model=model)
     _check_supported(cfg)
+    pipeline = _is_pipeline(model)
+    if pipeline:
+        _check_pipeline(cfg, model, mpu)
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
@@ -288,6 +321,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
     if tp_mesh is not None:
         mesh = tp_mesh
+    elif pipeline:
+        mesh = ParallelMesh.build(pp=model.num_stages)
     else:
         mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size)
     group = mesh.group("data")
@@ -298,7 +333,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     model.to(device)
     # every rank starts from global rank 0's (whole, unsharded) weights, as DeepSpeed does; a model tp_model_init
     # sharded (after the same broadcast) from its data-parallel rank 0's shards
-    source_group = None if tp_mesh is None else mesh.group("data")
+    # (a pipeline stage holds only its layers: from the data-parallel rank 0 of the same stage, as DeepSpeed)
+    source_group = None if tp_mesh is None and not pipeline else mesh.group("data")
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast(t.data, 0, group=source_group)
@@ -323,7 +359,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
-                              model_parallel=_model_parallel_grads(model, mesh))
+                              model_parallel=_model_parallel_grads(model, mesh, pipeline))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
@@ -332,7 +368,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
                                   group=group, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
                                   seed=cfg.seed or 0)
-    engine = ZeroSpeedEngine(
+    engine = (PipelineEngine if pipeline else ZeroSpeedEngine)(
         module=model, optimizer=opt, lr_scheduler=sched, strategy=strategy, group=group, device=device,
         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,
@@ -341,6 +377,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         policy=policy, loss_scaler=build_loss_scaler(cfg.fp16),
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
+    if pipeline:
+        engine._init_pipeline(mesh.group("pipe"))
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds

@@ -1,0 +1,144 @@
+"""The pipeline engine (1F1B) on real gloo ranks against one process: a PipelineModule of 6 Linear/Tanh layers
+(LayerSpecs, seed_layers) at pp 2 (world 2) and pp 2 x dp 2 (world 4), ZeRO 0 and 1, SGD without clipping (a
+wrong gradient scale shows) and AdamW with clipping at 0.5 (the norm must cover every stage), 4 micro-batches:
+per-step losses equal plain PyTorch on the whole model and global batch to 1e-6 relative, and each stage's
+final weights equal the same layers' to 1e-5.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerospeed
+from zerospeed.pipe import LayerSpec, PipelineModule
+from zerospeed.testing.parity import max_rel_diff
+from zerospeed.testing.spawn import run_distributed
+
+STEPS, MICRO, GAS, WIDTH = 6, 2, 4, 16
+OPTIMIZERS = {"sgd": ({"type": "SGD", "params": {"lr": 0.1}}, 0.0),
+              "adamw-clip": ({"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}}, 0.5)}
+
+
+def _layers():
+    return [LayerSpec(nn.Linear, WIDTH, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh),
+            LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Linear, 32, 4)]
+
+
+def _data(dp):
+    g = torch.Generator().manual_seed(7)
+    n = STEPS * GAS * MICRO * dp
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, 4, generator=g)
+
+
+def _rank_batches(x, y, dp, dp_rank):
+    """This data-parallel rank's micro-batches, step after step: rows of each global batch split by rank."""
+    out = []
+    per_step = GAS * MICRO * dp
+    for s in range(STEPS):
+        xs, ys = x[s * per_step:(s + 1) * per_step], y[s * per_step:(s + 1) * per_step]
+        mine = slice(dp_rank * GAS * MICRO, (dp_rank + 1) * GAS * MICRO)
+        out += list(zip(xs[mine].split(MICRO), ys[mine].split(MICRO)))
+    return out
+
+
+def pipe_runs(rank, world, cases):
+    out = {}
+    for stage, opt in cases:
+        block, clip = OPTIMIZERS[opt]
+        module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
+                                partition_method="uniform")
+        engine, *_ = zerospeed.initialize(model=module, config={
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": block,
+            "gradient_clipping": clip, "zero_optimization": {"stage": stage}})
+        dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
+        it = iter(_rank_batches(*_data(dp), dp, dp_rank))
+        losses, norms = [], []
+        for _ in range(STEPS):
+            losses.append(float(engine.train_batch(it)))
+            norms.append(engine.get_global_grad_norm())
+        out[(stage, opt)] = {"losses": losses, "norms": norms, "dp": dp,
+                             "state": {n: p.detach().clone() for n, p in module.named_parameters()}}
+        engine.destroy()
+    return out
+
+
+def reference(opt, dp):
+    block, clip = OPTIMIZERS[opt]
+    module = PipelineModule(_layers(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True,
+                            partition_method="uniform", stage_id=0)
+    cls = torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW
+    optim = cls(module.parameters(), **block["params"])
+    x, y = _data(dp)
+    per_step = GAS * MICRO * dp
+    losses, norms = [], []
+    for s in range(STEPS):
+        xs, ys = x[s * per_step:(s + 1) * per_step], y[s * per_step:(s + 1) * per_step]
+        loss = nn.functional.mse_loss(module(xs), ys)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip if clip > 0 else float("inf"))))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach() for n, p in module.named_parameters()}
+
+
+CASES = [(stage, opt) for stage in (0, 1) for opt in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_1f1b_matches_one_process(world):
+    results = run_distributed(pipe_runs, world, CASES, timeout=300)
+    for (stage, opt) in CASES:
+        ref_losses, ref_norms, ref_state = reference(opt, world // 2)
+        for rank, res in enumerate(results):
+            r = res[(stage, opt)]
+            assert r["dp"] == world // 2
+            assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (world, stage, opt, rank, r["losses"], ref_losses)
+            assert max_rel_diff(r["norms"], ref_norms) < 1e-6, (world, stage, opt, rank, r["norms"], ref_norms)
+            assert r["state"], "the stage holds no parameters"
+            for name, value in r["state"].items():
+                want = ref_state[name]
+                err = float((value - want).abs().max() / want.abs().max())
+                assert err < 1e-5, (world, stage, opt, rank, name, err)
+
+
+def misuse(rank, world):
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
+    engine, *_ = zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": MICRO,
+                                                            "gradient_accumulation_steps": GAS,
+                                                            "optimizer": OPTIMIZERS["sgd"][0]})
+    with pytest.raises(RuntimeError, match="train_batch"):
+        engine(torch.zeros(MICRO, WIDTH))
+    dry = iter(_rank_batches(*_data(1), 1, 0)[:2])  # 2 of the 4 micro-batches: both stages read data here
+    with pytest.raises(RuntimeError, match="ran dry at micro-batch 2 of 4"):
+        engine.train_batch(dry)  # raised before any message, so no stage is left waiting
+    with pytest.raises(NotImplementedError, match="stage=2 with a PipelineModule"):
+        zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
+                             config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+    return True
+
+
+def test_pipeline_misuse_errors():
+    assert run_distributed(misuse, 2, timeout=120) == [True, True]
+
+
+def checkpoint_round_trip(rank, world, save_dir):
+    def engine():
+        module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
+        return zerospeed.initialize(model=module, config={
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+            "optimizer": OPTIMIZERS["adamw-clip"][0], "zero_optimization": {"stage": 1}})[0]
+
+    batches = _rank_batches(*_data(1), 1, 0)
+    a = engine()
+    a.train_batch(iter(batches[:GAS]))
+    a.save_checkpoint(save_dir, tag="t")
+    kept = float(a.train_batch(iter(batches[GAS:2 * GAS])))
+    b = engine()
+    b.load_checkpoint(save_dir, tag="t")
+    return kept, float(b.train_batch(iter(batches[GAS:2 * GAS])))
+
+
+def test_pipeline_checkpoint_resumes_at_the_same_stages(tmp_path):
+    for kept, resumed in run_distributed(checkpoint_round_trip, 2, str(tmp_path), timeout=120):
+        assert resumed == kept
