@@ -1,5 +1,5 @@
 """The pipeline engine (1F1B) on real gloo ranks against one process: a PipelineModule of 6 Linear/Tanh layers
-(LayerSpecs, seed_layers) at pp 2 (world 2) and pp 2 x dp 2 (world 4), ZeRO 0 and 1, SGD without clipping (a
+(LayerSpecs, seed_layers) at pp 2 (world 2) and pp 2 x dp 2 (world 4), ZeRO 0, 1 and 2 (beyond DeepSpeed), SGD without clipping (a
 wrong gradient scale shows) and AdamW with clipping at 0.5 (the norm must cover every stage), 4 micro-batches:
 per-step losses equal plain PyTorch on the whole model and global batch to 1e-6 relative, and each stage's
 final weights equal the same layers' to 1e-5.
@@ -82,7 +82,7 @@ def reference(opt, dp):
     return losses, norms, {n: p.detach() for n, p in module.named_parameters()}
 
 
-CASES = [(stage, opt) for stage in (0, 1) for opt in OPTIMIZERS]
+CASES = [(stage, opt) for stage in (0, 1, 2) for opt in OPTIMIZERS]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -112,9 +112,9 @@ def misuse(rank, world):
     dry = iter(_rank_batches(*_data(1), 1, 0)[:2])  # 2 of the 4 micro-batches: both stages read data here
     with pytest.raises(RuntimeError, match="ran dry at micro-batch 2 of 4"):
         engine.train_batch(dry)  # raised before any message, so no stage is left waiting
-    with pytest.raises(NotImplementedError, match="stage=2 with a PipelineModule"):
+    with pytest.raises(NotImplementedError, match="stage=3 with a PipelineModule"):
         zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
-                             config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+                             config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     return True
 
 
@@ -142,3 +142,18 @@ def checkpoint_round_trip(rank, world, save_dir):
 def test_pipeline_checkpoint_resumes_at_the_same_stages(tmp_path):
     for kept, resumed in run_distributed(checkpoint_round_trip, 2, str(tmp_path), timeout=120):
         assert resumed == kept
+
+
+def bf16_run(rank, world):
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
+    engine, *_ = zerospeed.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "bf16": {"enabled": True},
+        "optimizer": OPTIMIZERS["adamw-clip"][0], "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}})
+    it = iter([(x.bfloat16(), y.bfloat16()) for x, y in _rank_batches(*_data(1), 1, 0)])
+    return [float(engine.train_batch(it)) for _ in range(STEPS)]
+
+
+def test_pipeline_bf16_activations():
+    ref_losses, _, _ = reference("adamw-clip", 1)
+    for losses in run_distributed(bf16_run, 2, timeout=120):
+        assert max_rel_diff(losses, ref_losses) < 3e-2  # bf16 parameters and activations, fp32 masters

@@ -4,7 +4,7 @@ data (`schedule.py`: gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v) checked 
 
 So far: the module and its partitioning, the schedules and their simulator, and (in `runtime/pipe_engine.py`,
 built by `zerospeed.initialize(model=pipeline_module)`) `engine.train_batch(data_iter)` running 1F1B with
-ZeRO 0/1 over the data-parallel ranks. Other schedules in the engine, tied layers across stages, ZeRO 2,
+ZeRO 0-2 over the data-parallel ranks. Other schedules in the engine, tied layers across stages,
 fp16 and pipeline checkpoints in the topology-independent format come next.
 `DualPipeVModule` (also in `deepspeed.pipe`) comes with its engine.
 """

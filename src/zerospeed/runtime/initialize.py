@@ -237,9 +237,9 @@ def _is_pipeline(model) -> bool:
 def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
     """What this version of the pipeline engine runs; NotImplementedError naming anything else."""
     stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        raise NotImplementedError(f"zero_optimization.stage={stage} with a PipelineModule is not supported yet: use "
-                                  "stage 0 or 1 (as DeepSpeed)")
+    if stage >= 3:
+        raise NotImplementedError(f"zero_optimization.stage={stage} with a PipelineModule is not supported: every "
+                                  "micro-batch would gather each stage's parameters again; use stage 0, 1 or 2")
     if cfg.fp16.enabled:
         raise NotImplementedError("fp16 with a PipelineModule is not supported yet: use bf16 or fp32")
     if mpu is not None or cfg.tensor_parallel.size > 1:

@@ -12,7 +12,8 @@ the last micro-batch's backward, so gradients accumulate locally before it (the 
 contract); `OptimizerStep` unscales, takes the global norm over every stage (each stage's parameters are
 disjoint: the squares are summed over the data group, then the pipe group), clips and steps.
 
-This first increment supports a single-tensor activation, ZeRO stages 0 and 1, fp32 and bf16, the 1F1B
+This first increment supports a single-tensor activation, ZeRO stages 0-2 (stage 2 reduce-scatters at every
+micro-batch's backward, as outside pipelines), fp32 and bf16, the 1F1B
 schedule, and no layers tied across stages; everything else raises NotImplementedError naming it.
 """
 from __future__ import annotations
