@@ -117,6 +117,27 @@ def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None
     return tensor
 
 
+def start_send(tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | None,
+               logger: CommsLogger | None = None) -> CommHandle:
+    """Start a point-to-point send of `tensor` to `dst`, its rank in `group`; finish with `.wait()` (the
+    tensor must not change before). Counted as "send" (tensor.numel() elements)."""
+    started = time.perf_counter()
+    with record_function("zerospeed::send"):
+        work = dist.isend(tensor, group=group, group_dst=dst)
+    return _handle("send", work, tensor, logger, started)
+
+
+def recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
+         logger: CommsLogger | None = None) -> torch.Tensor:
+    """Blocking point-to-point receive into `tensor` from `src`, its rank in `group`; returns `tensor`.
+    Counted as "recv"."""
+    started = time.perf_counter()
+    with record_function("zerospeed::recv"):
+        work = dist.irecv(tensor, group=group, group_src=src)
+    _handle("recv", work, tensor, logger, started).wait()
+    return tensor
+
+
 # recent torch names the single-tensor collectives *_single (the *_tensor / *_into_tensor names are deprecated)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

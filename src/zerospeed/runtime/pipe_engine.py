@@ -19,8 +19,8 @@ schedule, and no layers tied across stages; everything else raises NotImplemente
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..comm.ops import all_reduce, broadcast, recv, start_send
 from ..pipe.schedule import (Backward, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
                              ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, one_f_one_b)
 from .engine import ZeroSpeedEngine
@@ -65,12 +65,11 @@ class PipelineEngine(ZeroSpeedEngine):
 
     # -- point-to-point -----------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, peer: int, works: list) -> None:
-        works.append(dist.isend(t.contiguous(), group=self.pipe_group, group_dst=peer))
+        works.append(start_send(t.contiguous(), peer, group=self.pipe_group, logger=self.comms_logger))
 
     def _recv(self, shape, dtype, peer: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, group=self.pipe_group, group_src=peer)
-        return buf
+        return recv(torch.empty(shape, dtype=dtype, device=self.device), peer, group=self.pipe_group,
+                    logger=self.comms_logger)
 
     def _send_activation(self, out: torch.Tensor, peer: int, works: list) -> None:
         if not torch.is_tensor(out):
@@ -79,8 +78,8 @@ class PipelineEngine(ZeroSpeedEngine):
         meta = (tuple(out.shape), out.dtype)
         if self._sent_shape is None:  # first micro-batch ever: tell the next stage what to expect
             head = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape], dtype=torch.int64)
-            dist.send(torch.tensor([head.numel()], dtype=torch.int64), group=self.pipe_group, group_dst=peer)
-            dist.send(head, group=self.pipe_group, group_dst=peer)
+            self._send(torch.tensor([head.numel()], dtype=torch.int64), peer, works)
+            self._send(head, peer, works)
             self._sent_shape = meta
         elif meta != self._sent_shape:
             raise RuntimeError(f"pipeline stage {self.stage_id} produced an activation of shape {meta[0]} and dtype "
@@ -90,10 +89,8 @@ class PipelineEngine(ZeroSpeedEngine):
 
     def _recv_activation(self, peer: int) -> torch.Tensor:
         if self._recv_shape is None:
-            n = torch.empty(1, dtype=torch.int64)
-            dist.recv(n, group=self.pipe_group, group_src=peer)
-            head = torch.empty(int(n), dtype=torch.int64)
-            dist.recv(head, group=self.pipe_group, group_src=peer)
+            n = self._recv((1,), torch.int64, peer)
+            head = self._recv((int(n),), torch.int64, peer)
             self._recv_shape = (tuple(int(s) for s in head[2:2 + int(head[1])]), _DTYPES[int(head[0])])
         x = self._recv(*self._recv_shape, peer)
         return x.requires_grad_(x.is_floating_point())
@@ -197,7 +194,7 @@ class PipelineEngine(ZeroSpeedEngine):
         t = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last_stage():
             t = torch.stack(losses).mean()
-            dist.all_reduce(t, group=self.group)
+            all_reduce(t, group=self.group, logger=self.comms_logger)
             t /= self.dp_world_size
-        dist.broadcast(t, group=self.pipe_group, group_src=self.num_stages - 1)
+        broadcast(t, self.num_stages - 1, group=self.pipe_group, logger=self.comms_logger)
         return t
