@@ -150,28 +150,33 @@ class ZeroSpeedEngine(nn.Module):
                 # gradients came from a plain loss.backward(): reduce them now, all at once
                 self.strategy.arm()
                 self.strategy.finish()
-            scale = self.loss_scaler.loss_scale
-            self._global_grad_norm = self.strategy.clip_and_norm(self._clip, loss_scale=scale)
-            # the norm was all-reduced over the data-parallel group; the other dimensions vote too
-            overflow = self._check_overflow and self._overflow_anywhere(self._global_grad_norm)
-            self.loss_scaler.update_scale(overflow, nonfinite_names=self.strategy.nonfinite_grad_names)
-            if overflow:
-                self.skipped_steps += 1
-                self._skip_log.skipped(step=self.global_steps, total_skipped=self.skipped_steps, old_scale=scale,
-                                       new_scale=self.loss_scaler.loss_scale, fp16=self.fp16_enabled())
-            elif self.optimizer is not None:
-                self.strategy.optimizer_step()
-                self._step_applied = True
-            self.zero_grad()
-            if self.lr_scheduler is not None and not overflow:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            self.global_steps += 1
-            self.global_samples += self._train_batch_size
-            self.strategy.disarm()
+            self._take_model_step(lr_kwargs)
             self.telemetry.timers.stop("step")
             self.telemetry.end_step(self)
             self._maybe_print()
         self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None = None) -> None:
+        """At the boundary, with reduced gradients: unscale, norm, clip, the overflow vote, the optimizer and
+        LR-scheduler step (skipped on overflow), zero grads, counters (DeepSpeed's `_take_model_step`)."""
+        scale = self.loss_scaler.loss_scale
+        self._global_grad_norm = self.strategy.clip_and_norm(self._clip, loss_scale=scale)
+        # the norm was all-reduced over the data-parallel group; the other dimensions vote too
+        overflow = self._check_overflow and self._overflow_anywhere(self._global_grad_norm)
+        self.loss_scaler.update_scale(overflow, nonfinite_names=self.strategy.nonfinite_grad_names)
+        if overflow:
+            self.skipped_steps += 1
+            self._skip_log.skipped(step=self.global_steps, total_skipped=self.skipped_steps, old_scale=scale,
+                                   new_scale=self.loss_scaler.loss_scale, fp16=self.fp16_enabled())
+        elif self.optimizer is not None:
+            self.strategy.optimizer_step()
+            self._step_applied = True
+        self.zero_grad()
+        if self.lr_scheduler is not None and not overflow:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self._train_batch_size
+        self.strategy.disarm()
 
     def _overflow_anywhere(self, norm: float) -> bool:
         """True on every rank if the gradient norm is non-finite on any rank of the world: the data-parallel

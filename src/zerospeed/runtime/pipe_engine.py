@@ -171,22 +171,8 @@ class PipelineEngine(ZeroSpeedEngine):
             self.strategy.disarm()
 
     def _optimizer_step(self) -> None:
-        scale = self.loss_scaler.loss_scale
-        self._global_grad_norm = self.strategy.clip_and_norm(self._clip, loss_scale=scale)
-        overflow = self._check_overflow and self._overflow_anywhere(self._global_grad_norm)
-        self.loss_scaler.update_scale(overflow, nonfinite_names=self.strategy.nonfinite_grad_names)
         self._step_applied = False
-        if overflow:
-            self.skipped_steps += 1
-        elif self.optimizer is not None:
-            self.strategy.optimizer_step()
-            self._step_applied = True
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.strategy.zero_grad()
-        self.strategy.disarm()
-        self.global_steps += 1
-        self.global_samples += self._train_batch_size
+        self._take_model_step()
         self.micro_steps += self.micro_batches
 
     def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -36,6 +36,8 @@ the strategy's checkpoint protocol (`checkpoint_slots`, `reduced_grad_pieces`; `
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
@@ -168,7 +170,7 @@ def _write(param: torch.Tensor, value: torch.Tensor, field: str) -> bool:
     if strategy is None:
         return False
     value = torch.as_tensor(value)
-    if tuple(value.shape) != shape and value.numel() != _numel(shape):
+    if tuple(value.shape) != shape and value.numel() != math.prod(shape):
         raise ValueError(f"value of shape {tuple(value.shape)} does not fit a parameter of shape {shape}")
     flat = value.detach().reshape(-1)
     pieces = _value_pieces(strategy, param, field, write=True)
@@ -179,13 +181,6 @@ def _write(param: torch.Tensor, value: torch.Tensor, field: str) -> bool:
         for start, end, t in pieces:
             t.copy_(flat[start:end].to(device=t.device, dtype=t.dtype))
     return True
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
