@@ -34,6 +34,7 @@ padding, none for an empty unit): the same layout with K = 1, so rank r owns the
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -132,8 +133,12 @@ class FlatPartition:
     def fragments(self, rank: int) -> list[Fragment]:
         """Every piece of a parameter inside rank `rank`'s shards, in flat order.
 
-        Over all ranks the fragments cover every parameter element exactly once.
+        Over all ranks the fragments cover every parameter element exactly once. Computed once per
+        (layout, rank): the layout is immutable, and the strategies walk these at every step.
         """
+        return list(_fragments(self, rank))
+
+    def _compute_fragments(self, rank: int) -> tuple[Fragment, ...]:
         out = []
         for c in range(self.num_chunks):
             s_start, s_end = self.shard_range(c, rank)
@@ -142,7 +147,7 @@ class FlatPartition:
                 lo, hi = max(s_start, p_start), min(s_end, p_end)
                 if lo < hi:
                     out.append(Fragment(i, c, lo, hi, lo - p_start, c * self.shard_numel + lo - s_start))
-        return out
+        return tuple(out)
 
     def rank_range(self, rank: int) -> tuple[int, int]:
         """Flat [start, end) of rank `rank`'s one shard. Only for a one-chunk layout (`plan_one_chunk`);
@@ -187,6 +192,11 @@ def plan_one_chunk(numels: list[int] | tuple[int, ...], world_size: int) -> Flat
     _check_counts(numels, world_size)
     total = sum(numels)
     return FlatPartition(tuple(numels), _starts(numels), world_size, 1, -(-total // world_size) * world_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _fragments(layout: FlatPartition, rank: int) -> tuple[Fragment, ...]:
+    return layout._compute_fragments(rank)
 
 
 def plan_flat_partition(numels: list[int] | tuple[int, ...], world_size: int, bucket_size: int) -> FlatPartition:

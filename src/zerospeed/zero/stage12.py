@@ -317,12 +317,19 @@ class Stage12Strategy(ZeroStrategy):
         pg, layout = self.grads.partition_grad, self.layout
         if pg is None:
             return None
-        out = []
-        for f in layout.fragments(self.rank):
-            if f.index == key:
-                base = layout.shard_range(f.chunk, self.rank)[0]
-                out.append((f.param_offset, f.param_offset + f.numel, pg[f.chunk, f.flat_start - base:f.flat_end - base]))
-        return out
+        s = layout.shard_numel
+        return [(f.param_offset, f.param_offset + f.numel, pg[f.chunk, f.partition_offset - f.chunk * s:
+                                                               f.partition_offset - f.chunk * s + f.numel])
+                for f in self._fragments_of(key)]
+
+    def _fragments_of(self, index: int) -> list:
+        """Parameter `index`'s fragments in this rank's partition (an index built once)."""
+        by_param = getattr(self, "_frags_by_param", None)
+        if by_param is None:
+            by_param = self._frags_by_param = {}
+            for f in self.layout.fragments(self.rank):
+                by_param.setdefault(f.index, []).append(f)
+        return by_param.get(index, [])
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors: params = the full flat buffer (Ψ + padding
