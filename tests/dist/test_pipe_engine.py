@@ -1,8 +1,10 @@
-"""The pipeline engine (1F1B) on real gloo ranks against one process: a PipelineModule of 6 Linear/Tanh layers
-(LayerSpecs, seed_layers) at pp 2 (world 2) and pp 2 x dp 2 (world 4), ZeRO 0, 1 and 2 (beyond DeepSpeed), SGD without clipping (a
-wrong gradient scale shows) and AdamW with clipping at 0.5 (the norm must cover every stage), 4 micro-batches:
-per-step losses equal plain PyTorch on the whole model and global batch to 1e-6 relative, and each stage's
-final weights equal the same layers' to 1e-5.
+"""The pipeline engine on real gloo ranks against one process: a PipelineModule of 6 Linear/Tanh layers
+(LayerSpecs, seed_layers) at pp 2 (world 2) and pp 2 x dp 2 (world 4), every schedule the engine runs (1F1B,
+GPipe, ZB-H1 with its backward split into input- and weight-gradient passes), ZeRO 0, 1 and 2 (beyond
+DeepSpeed), SGD without clipping (a wrong gradient scale shows) and AdamW with clipping at 0.5 (the norm must
+cover every stage), 4 micro-batches: per-step losses and norms equal plain PyTorch on the whole model and
+global batch to 1e-6 relative, and each stage's final weights equal the same layers' to 1e-5. The same for a
+weight tied between the first and last stage (TiedLayerSpec) and for a tuple activation with an integer mask.
 """
 import pytest
 import torch
@@ -10,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerospeed
-from zerospeed.pipe import LayerSpec, PipelineModule
+from zerospeed.config import ConfigError
+from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zerospeed.testing.parity import max_rel_diff
 from zerospeed.testing.spawn import run_distributed
 
@@ -19,15 +22,43 @@ OPTIMIZERS = {"sgd": ({"type": "SGD", "params": {"lr": 0.1}}, 0.0),
               "adamw-clip": ({"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}}, 0.5)}
 
 
-def _layers():
+def _head(module, x):
+    """The tied input layer used as the output head (the transposed weight, as a language model's lm_head)."""
+    return x @ module.weight
+
+
+class WithMask(nn.Module):
+    """x -> (x, integer mask): a tuple activation, one tensor with gradient and one without."""
+
+    def forward(self, x):
+        return x, (x > 0).long()
+
+
+class ApplyMask(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, pair):
+        x, mask = pair
+        return self.lin(x) * (1 + mask)
+
+
+def _layers(kind="plain"):
+    if kind == "tuple":  # the (hidden, mask) tuple crosses from stage 0 to stage 1
+        return [LayerSpec(nn.Linear, WIDTH, 32), LayerSpec(WithMask), LayerSpec(ApplyMask, 32), LayerSpec(nn.Linear, 32, 4)]
+    if kind == "tied":  # WIDTH -> 32 -> ... -> 32 -> WIDTH through the same weight at both ends (first and last stage)
+        return [TiedLayerSpec("embed", nn.Linear, WIDTH, 32, bias=False), LayerSpec(nn.Tanh),
+                LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32),
+                TiedLayerSpec("embed", nn.Linear, WIDTH, 32, bias=False, forward_fn=_head)]
     return [LayerSpec(nn.Linear, WIDTH, 32), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Tanh),
             LayerSpec(nn.Linear, 32, 32), LayerSpec(nn.Linear, 32, 4)]
 
 
-def _data(dp):
+def _data(dp, kind="plain"):
     g = torch.Generator().manual_seed(7)
     n = STEPS * GAS * MICRO * dp
-    return torch.randn(n, WIDTH, generator=g), torch.randn(n, 4, generator=g)
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH if kind == "tied" else 4, generator=g)
 
 
 def _rank_batches(x, y, dp, dp_rank):
@@ -41,34 +72,38 @@ def _rank_batches(x, y, dp, dp_rank):
     return out
 
 
-def pipe_runs(rank, world, cases):
+LAYOUTS = {"interleaved_1f1b": {"chunks": 2}, "zb_v": {"chunks": 2, "chunk_layout": "v"}}  # the others: one chunk
+
+
+def pipe_runs(rank, world, cases, kind="plain"):
     out = {}
-    for stage, opt in cases:
+    for schedule, stage, opt in cases:
         block, clip = OPTIMIZERS[opt]
-        module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
-                                partition_method="uniform")
+        module = PipelineModule(_layers(kind), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
+                                partition_method="uniform", **LAYOUTS.get(schedule, {}))
         engine, *_ = zerospeed.initialize(model=module, config={
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": block,
-            "gradient_clipping": clip, "zero_optimization": {"stage": stage}})
+            "gradient_clipping": clip, "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule}})
+        assert engine.schedule_name == schedule
         dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
-        it = iter(_rank_batches(*_data(dp), dp, dp_rank))
+        it = iter(_rank_batches(*_data(dp, kind), dp, dp_rank))
         losses, norms = [], []
         for _ in range(STEPS):
             losses.append(float(engine.train_batch(it)))
             norms.append(engine.get_global_grad_norm())
-        out[(stage, opt)] = {"losses": losses, "norms": norms, "dp": dp,
+        out[(schedule, stage, opt)] = {"losses": losses, "norms": norms, "dp": dp,
                              "state": {n: p.detach().clone() for n, p in module.named_parameters()}}
         engine.destroy()
     return out
 
 
-def reference(opt, dp):
+def reference(opt, dp, kind="plain"):
     block, clip = OPTIMIZERS[opt]
-    module = PipelineModule(_layers(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True,
+    module = PipelineModule(_layers(kind), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True,
                             partition_method="uniform", stage_id=0)
     cls = torch.optim.SGD if block["type"] == "SGD" else torch.optim.AdamW
     optim = cls(module.parameters(), **block["params"])
-    x, y = _data(dp)
+    x, y = _data(dp, kind)
     per_step = GAS * MICRO * dp
     losses, norms = [], []
     for s in range(STEPS):
@@ -82,24 +117,68 @@ def reference(opt, dp):
     return losses, norms, {n: p.detach() for n, p in module.named_parameters()}
 
 
-CASES = [(stage, opt) for stage in (0, 1, 2) for opt in OPTIMIZERS]
+SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v")
+CASES = [(schedule, stage, opt) for schedule in SCHEDULES for stage in (0, 1, 2) for opt in OPTIMIZERS]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipeline_1f1b_matches_one_process(world):
+def test_pipeline_schedules_match_one_process(world):
+    """Every schedule (zb_h1: backward split into input- and weight-gradient passes) x ZeRO 0-2 x optimizer."""
     results = run_distributed(pipe_runs, world, CASES, timeout=300)
-    for (stage, opt) in CASES:
+    for (schedule, stage, opt) in CASES:
         ref_losses, ref_norms, ref_state = reference(opt, world // 2)
         for rank, res in enumerate(results):
-            r = res[(stage, opt)]
+            r = res[(schedule, stage, opt)]
             assert r["dp"] == world // 2
-            assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (world, stage, opt, rank, r["losses"], ref_losses)
-            assert max_rel_diff(r["norms"], ref_norms) < 1e-6, (world, stage, opt, rank, r["norms"], ref_norms)
+            assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (world, schedule, stage, opt, rank, r["losses"], ref_losses)
+            assert max_rel_diff(r["norms"], ref_norms) < 1e-6, (world, schedule, stage, opt, rank, r["norms"], ref_norms)
             assert r["state"], "the stage holds no parameters"
-            for name, value in r["state"].items():
-                want = ref_state[name]
-                err = float((value - want).abs().max() / want.abs().max())
-                assert err < 1e-5, (world, stage, opt, rank, name, err)
+            _check_weights(r["state"], ref_state, (world, schedule, stage, opt, rank))
+
+
+def _check_weights(state, ref_state, where):
+    for name, value in state.items():
+        want = ref_state[name]
+        err = float((value - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (*where, name, err)
+
+
+TIED_CASES = [(schedule, stage, opt) for schedule in ("1f1b", "zb_h1", "interleaved_1f1b", "zb_v")
+              for stage in (0, 1, 2) for opt in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_tied_layers_match_one_process(world):
+    """A weight tied between the first and the last stage (input layer and output head): the copies start equal
+    (stage 1 built its own from another seed), their gradients are summed over both stages after the
+    data-parallel reduction, and the global norm counts the weight once; under ZB-V one rank holds both ends."""
+    results = run_distributed(pipe_runs, world, TIED_CASES, "tied", timeout=300)
+    for (schedule, stage, opt) in TIED_CASES:
+        ref_losses, ref_norms, ref_state = reference(opt, world // 2, "tied")
+        for rank, res in enumerate(results):
+            r = res[(schedule, stage, opt)]
+            assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (world, schedule, stage, opt, rank, r["losses"])
+            assert max_rel_diff(r["norms"], ref_norms) < 1e-6, (world, schedule, stage, opt, rank, r["norms"])
+            _check_weights(r["state"], ref_state, (world, schedule, stage, opt, rank))
+        # the tie spans two ranks, except under ZB-V, where rank 0 holds the first and the last stage alike
+        holders = [rank for rank, res in enumerate(results) if "tied_modules.embed.weight" in res[(schedule, stage, opt)]["state"]]
+        assert len(holders) == (world // 2 if schedule == "zb_v" else world), (schedule, holders)
+
+
+TUPLE_CASES = [(schedule, 1, "adamw-clip") for schedule in SCHEDULES]
+
+
+def test_pipeline_tuple_activations_match_one_process():
+    """A (hidden, integer mask) tuple between the stages: both tensors arrive, only the hidden one has a
+    gradient sent back."""
+    results = run_distributed(pipe_runs, 2, TUPLE_CASES, "tuple", timeout=300)
+    ref_losses, ref_norms, ref_state = reference("adamw-clip", 1, "tuple")
+    for case in TUPLE_CASES:
+        for rank, res in enumerate(results):
+            r = res[case]
+            assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (case, rank, r["losses"], ref_losses)
+            assert max_rel_diff(r["norms"], ref_norms) < 1e-6, (case, rank)
+            _check_weights(r["state"], ref_state, (case, rank))
 
 
 def misuse(rank, world):
@@ -112,6 +191,18 @@ def misuse(rank, world):
     dry = iter(_rank_batches(*_data(1), 1, 0)[:2])  # 2 of the 4 micro-batches: both stages read data here
     with pytest.raises(RuntimeError, match="ran dry at micro-batch 2 of 4"):
         engine.train_batch(dry)  # raised before any message, so no stage is left waiting
+    base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS}
+    with pytest.raises(ConfigError, match="chunks=2 and chunk_layout='v'"):  # before any group or tensor
+        zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
+                             config={**base, "pipeline": {"schedule": "zb_v"}})
+    with pytest.raises(ConfigError, match="needs num_microbatches a multiple of num_stages"):
+        zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), chunks=2),
+                             config={**base, "gradient_accumulation_steps": 3, "pipeline": {"schedule": "interleaved_1f1b"}})
+    with pytest.raises(ConfigError, match="not a zerospeed.pipe.PipelineModule"):
+        zerospeed.initialize(model=nn.Linear(2, 2), config={**base, "pipeline": {"schedule": "gpipe"}})
+    with pytest.raises(ConfigError, match="pipeline.stages=4 but the PipelineModule has num_stages=2"):
+        zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
+                             config={**base, "pipeline": {"stages": 4}})
     with pytest.raises(NotImplementedError, match="stage=3 with a PipelineModule"):
         zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
                              config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})

@@ -134,7 +134,7 @@ def test_removed_optimizers(name):
 
 
 @pytest.mark.parametrize("key,value", [
-    ("pipeline", {"stages": 2}), ("expert_parallel", {"enabled": True}),
+    ("expert_parallel", {"enabled": True}),
     ("compile", {"deepcompile": True}), ("hybrid_engine", {"enabled": True}), ("data_efficiency", {"enabled": True}),
     ("weight_quantization", {"post_init_quant": {}}), ("autotuning", {"enabled": True}),
     ("timers", {"throughput": {"enabled": False}}), ("comet", {"enabled": True}), ("sequence_parallel_size", 2),
@@ -159,11 +159,11 @@ def test_unsupported_zero_values(zero):
 
 
 def test_all_problems_are_reported_together():
-    msg = error({"train_batch_size": 33, "amp": {}, "pipeline": {"stages": 2}, "gradient_clipp1ng": 1.0,
+    msg = error({"train_batch_size": 33, "amp": {}, "pipeline": {"schedule": "dualpipe"}, "gradient_clipp1ng": 1.0,
                  "fp16": {"loss_scale_window": "x"}, "zero_optimization": {"offload_param": {"devcie": "cpu"}}},
                 dp_world_size=2)
     assert "(6 problems)" in msg
-    for fragment in ("amp:", "pipeline:", "train_batch_size=33", "gradient_clipp1ng", "fp16.loss_scale_window",
+    for fragment in ("amp:", "pipeline.schedule:", "train_batch_size=33", "gradient_clipp1ng", "fp16.loss_scale_window",
                      "zero_optimization.offload_param.devcie"):
         assert fragment in msg
 
@@ -591,3 +591,11 @@ def test_model_validate_directly_raises_pydantic_error_with_context():
     c = ZeroSpeedConfig.model_validate({"train_batch_size": 16}, context={"dp_world_size": 4})
     assert c.train_micro_batch_size_per_gpu == 4 and c.dp_world_size == 4
     assert c.zero_stage == 0
+
+
+def test_pipeline_block():
+    cfg = load_config({**BASE, "pipeline": {"stages": 2, "partition": "parameters", "schedule": "zb_h1"}})
+    assert (cfg.pipeline.stages, cfg.pipeline.schedule, cfg.pipeline.pipe_partitioned) == (2, "zb_h1", True)
+    assert load_config(BASE).pipeline.schedule == "1f1b"  # DeepSpeed's TrainSchedule by default
+    assert "pipeline.schedule" in error({**BASE, "pipeline": {"schedule": "dualpipe"}})
+    assert "did you mean 'schedule'" in error({**BASE, "pipeline": {"schedul": "gpipe"}})

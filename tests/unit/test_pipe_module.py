@@ -107,6 +107,41 @@ def test_stages_hold_their_layers_and_chain_to_the_one_stage_forward():
     assert [s0.stage_owner(i) for i in range(8)] == [0] * 4 + [1] * 4
 
 
+@pytest.mark.parametrize("layout,held", [("interleaved", {0: [0, 2], 1: [1, 3]}), ("v", {0: [0, 3], 1: [1, 2]})])
+def test_chunks_hold_their_model_stages_and_chain_to_the_one_stage_forward(layout, held):
+    """chunks=2: 8 layers in 4 model stages of 2; rank r holds the layout's stages, under global layer names."""
+    full = PipelineModule(_linear_specs(), num_stages=1, seed_layers=True)
+    ranks = {r: PipelineModule(_linear_specs(), num_stages=2, stage_id=r, seed_layers=True, chunks=2,
+                               chunk_layout=layout) for r in (0, 1)}
+    ref = _params(full)
+    for r, module in ranks.items():
+        assert module.parts == [0, 2, 4, 6, 8] and module.model_stages == held[r]
+        assert [module.stage_rank(s) for s in range(4)] == [s % 2 for s in range(4)] if layout == "interleaved" \
+            else [0, 1, 1, 0]
+        names = {f"{i}.{w}" for s in held[r] for i in range(2 * s, 2 * s + 2) for w in ("weight", "bias")}
+        assert set(_params(module)) == names
+        assert all(torch.equal(v, ref[k]) for k, v in _params(module).items())
+        with pytest.raises(PipelineError, match="holds 2 model stages"):
+            module(torch.randn(5, 6))
+    assert ranks[0].is_first_stage() and ranks[0].is_last_stage() == (layout == "v")
+    x = torch.randn(5, 6)
+    y = x
+    for s in range(4):
+        y = ranks[s % 2 if layout == "interleaved" else [0, 1, 1, 0][s]].forward_chunk(s, y)
+    assert torch.equal(y, full(x))
+    with pytest.raises(PipelineError, match="model stage 1 is not on this rank"):
+        ranks[0].forward_chunk(1, x)
+
+
+def test_chunk_layouts_are_checked():
+    with pytest.raises(PipelineError, match="exactly 2 chunks"):
+        PipelineModule(_linear_specs(), num_stages=2, stage_id=0, chunks=3, chunk_layout="v")
+    with pytest.raises(PipelineError, match="unknown chunk layout"):
+        PipelineModule(_linear_specs(), num_stages=2, stage_id=0, chunks=2, chunk_layout="zigzag")
+    with pytest.raises(PipelineError, match="num_stages=3 x chunks=3 is more than the 8 layers"):
+        PipelineModule(_linear_specs(), num_stages=3, stage_id=0, chunks=3)
+
+
 def test_seed_layers_gives_the_weights_of_seeded_plain_modules_and_seed_fn_is_called():
     torch.manual_seed(0)
     module = PipelineModule(_linear_specs(4), num_stages=2, stage_id=1, seed_layers=True, base_seed=77)

@@ -357,3 +357,26 @@ def test_zb_v_layout_and_receive_order():
                    for acts in s.values() for a in acts)
     assert s[1].index(RecvActivation(2, 1, 0)) < s[1].index(RecvGrad(0, 2, 3)) < s[1].index(BackwardInput(0, 2))
     assert s[1].index(Forward(2, 1)) > s[1].index(BackwardInput(0, 2))
+
+
+def test_build_schedule_matches_the_generators_and_checks_the_module_layout():
+    from zerospeed.pipe.partition import chunk_stages, stage_rank
+    from zerospeed.pipe.schedule import build_schedule, gpipe, interleaved_1f1b, one_f_one_b, stage_owners, zb_h1, zb_v
+
+    assert build_schedule("1f1b", 3, 6) == one_f_one_b(3, 6) and build_schedule("gpipe", 3, 6) == gpipe(3, 6)
+    assert build_schedule("zb_h1", 3, 6) == zb_h1(3, 6)
+    assert build_schedule("interleaved_1f1b", 2, 4, chunks=3) == interleaved_1f1b(2, 4, 3)
+    assert build_schedule("zb_v", 2, 4, chunks=2, layout="v") == zb_v(2, 4)
+    for name, chunks, layout in [("interleaved_1f1b", 3, "interleaved"), ("zb_v", 2, "v"), ("1f1b", 1, "v")]:
+        owners = stage_owners(build_schedule(name, 3, 6, chunks=chunks, layout=layout))
+        assert owners == {s: stage_rank(s, 3, chunks, layout) for s in range(3 * chunks)}
+        for r in range(3):
+            assert chunk_stages(r, 3, chunks, layout) == sorted(s for s, o in owners.items() if o == r)
+    with pytest.raises(ValueError, match="chunks=2 and chunk_layout='v'.*choose a schedule for its layout"):
+        build_schedule("zb_v", 2, 4, chunks=2)
+    with pytest.raises(ValueError, match="needs num_microbatches a multiple of num_stages"):
+        build_schedule("interleaved_1f1b", 2, 3, chunks=2)
+    with pytest.raises(ValueError, match="chunks=1"):
+        build_schedule("zb_h1", 2, 4, chunks=2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        build_schedule("dualpipe", 2, 4)

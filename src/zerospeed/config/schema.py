@@ -30,6 +30,7 @@ from .sections import (
     TensorBoardConfig,
     WandbConfig,
 )
+from .pipeline import PipelineConfig
 from .tensor_parallel import TensorParallelConfig, tp_batch_problems
 from .zero import ZeroConfig
 
@@ -119,6 +120,7 @@ class ZeroSpeedConfig(ConfigModel):
     aio: AIOConfig = Field(default_factory=AIOConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     vocabulary_size: Optional[int] = Field(None, gt=0)

@@ -22,7 +22,6 @@ Differences from DeepSpeed (each beyond it, none changes a DeepSpeed program's p
 from __future__ import annotations
 
 import inspect
-import random
 from functools import partial
 from typing import Any, Callable, Iterable
 
@@ -32,106 +31,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..parallel.topology import PipeDataParallelTopology, ProcessTopology
-from ..utils.logging import setup_logger
-from .partition import (PARTITION_METHODS, PipelineError, check_partition, partition_balanced, partition_from_bounds,
-                        partition_uniform, stage_owner, type_weights)
+from .partition import (PARTITION_METHODS, PipelineError, check_partition, chunk_stages, partition_balanced,
+                        partition_from_bounds, partition_uniform, stage_owner, stage_rank, type_weights)
+
+from .spec import LayerSpec, TiedLayerSpec, _layer_name, _recursive_getattr, _trainable_count, set_random_seed
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "PipelineError", "set_random_seed"]
-
-
-def _call_to_str(base: str, args: tuple, kwargs: dict) -> str:
-    inner = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
-    return f"{base}({', '.join(inner)})"
-
-
-def set_random_seed(seed: int) -> None:
-    """Seed Python's `random`, numpy's global generator (if numpy is installed) and torch (every device),
-    as DeepSpeed's `deepspeed/runtime/utils.py: set_random_seed`."""
-    random.seed(seed)
-    try:
-        import numpy
-        numpy.random.seed(seed % (2 ** 32))
-    except ImportError:
-        pass
-    torch.manual_seed(seed % (2 ** 63))
-
-
-class LayerSpec:
-    """A layer to build later: `LayerSpec(nn.Linear, 16, 32, bias=False).build()` is `nn.Linear(16, 32, bias=False)`.
-
-    Holds the class and its arguments only; the PipelineModule builds it on the stage that owns the layer,
-    so a stage never allocates another stage's weights. `typename` must be an nn.Module subclass (else
-    PipelineError, a RuntimeError as DeepSpeed's). Source: DeepSpeed `runtime/pipe/module.py: LayerSpec`.
-    """
-
-    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any):
-        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise PipelineError(f"LayerSpec only supports torch.nn.Module types, got {typename!r}; wrap a function "
-                                "in an nn.Module, or put the callable itself in the layer list")
-        self.typename = typename
-        self.module_args = module_args
-        self.module_kwargs = module_kwargs
-        self.global_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else -1
-
-    def __repr__(self) -> str:
-        return _call_to_str(self.typename.__name__, self.module_args, self.module_kwargs)
-
-    def build(self, log: bool = False) -> nn.Module:
-        """Construct the module: `typename(*module_args, **module_kwargs)` (on the current default device)."""
-        if log:
-            setup_logger().info(f"RANK={self.global_rank} building {self!r}")
-        return self.typename(*self.module_args, **self.module_kwargs)
-
-
-class TiedLayerSpec(LayerSpec):
-    """A layer whose module is shared by every occurrence of the same `key` (e.g. an embedding reused as the
-    output head). A stage builds the module once and reuses the object; across stages the weights named
-    by `tied_weight_attr` (attribute paths such as "weight" or "linear.weight") are the ones kept
-    identical and whose gradients are summed. `forward_fn(module, inputs)`, if given, replaces
-    `module(inputs)` at that position. Source: DeepSpeed `runtime/pipe/module.py: TiedLayerSpec`.
-    """
-
-    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
-                 tied_weight_attr: str | list[str] = ["weight"], **module_kwargs: Any):  # noqa: B006 (DeepSpeed's default)
-        super().__init__(typename, *module_args, **module_kwargs)
-        self.key = key
-        self.forward_fn = forward_fn
-        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
-
-
-def _layer_name(layer: Any) -> str | None:
-    """The name `type:<regex>` matches: a spec's class, a module's class, a callable's __name__ (else None)."""
-    if isinstance(layer, LayerSpec):
-        return layer.typename.__name__
-    if isinstance(layer, nn.Module):
-        return type(layer).__name__
-    return getattr(layer, "__name__", None)
-
-
-def _trainable_count(layer: Any) -> int:
-    """Trainable (requires_grad) parameter elements of one layer, as DeepSpeed's `_count_layer_params`:
-    a LayerSpec (tied ones at every occurrence) is built on the meta device, or, if its constructor cannot
-    run there, on the default device with the RNG state restored; callables count 0."""
-    if isinstance(layer, LayerSpec):
-        try:
-            with torch.device("meta"):
-                module = layer.build()
-        except Exception:  # a constructor that reads tensor values; pay for one real build
-            with torch.random.fork_rng(devices=[]):
-                module = layer.build()
-    elif isinstance(layer, nn.Module):
-        module = layer
-    else:
-        return 0
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-
-def _recursive_getattr(module: nn.Module, attr_name: str) -> Any:
-    """`module.a.b` for attr_name "a.b" (DeepSpeed's `PipelineModule._recursive_getattr`)."""
-    obj = module
-    for item in attr_name.split("."):
-        obj = getattr(obj, item)
-    return obj
 
 
 def _takes_use_reentrant(func: Callable) -> bool:
@@ -181,7 +86,7 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable = torch.utils.checkpoint.checkpoint,
                  checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False, *,
-                 stage_id: int | None = None):
+                 stage_id: int | None = None, chunks: int = 1, chunk_layout: str = "interleaved"):
         super().__init__()
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise PipelineError(f"checkpointable_layers must be a list of class names, got {checkpointable_layers!r}")
@@ -192,6 +97,8 @@ class PipelineModule(nn.Module):
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
+        chunk_stages(0, 1, chunks, chunk_layout)  # validates chunks and the layout
+        self.chunks, self.chunk_layout = chunks, chunk_layout
         for idx, layer in enumerate(self._layer_specs):
             if isinstance(layer, PipelineModule):
                 raise PipelineError(f"layer {idx} is a PipelineModule: nested pipelines are not supported; "
@@ -204,9 +111,12 @@ class PipelineModule(nn.Module):
             num_stages, topology, stage_id)
         self.partition_method = partition_method
         self._local_start, self._local_stop = 0, None
+        self.model_stages = chunk_stages(self.stage_id, self.num_stages, chunks, chunk_layout)
         self._partition_layers(method=partition_method)
 
         self.forward_funcs: list[Callable] = []
+        self._func_layer: list[int] = []  # forward_funcs[i] is global layer _func_layer[i]
+        self._chunk_funcs: dict[int, tuple[int, int]] = {}  # model stage -> its slice of forward_funcs
         self.fwd_map: dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
@@ -232,10 +142,11 @@ class PipelineModule(nn.Module):
             num_stages = pipe
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
             raise PipelineError(f"num_stages must be an integer >= 1, got {num_stages!r}")
-        if num_stages > self._num_layers:
-            raise PipelineError(f"num_stages={num_stages} is more than the {self._num_layers} layers: every stage "
-                                f"needs at least one layer; use at most {self._num_layers} stages or split the "
-                                "model into more layers")
+        if num_stages * self.chunks > self._num_layers:
+            what = f"num_stages={num_stages}" + (f" x chunks={self.chunks}" if self.chunks > 1 else "")
+            raise PipelineError(f"{what} is more than the {self._num_layers} layers: every stage needs at least "
+                                f"one layer; use at most {self._num_layers} model stages or split the model into "
+                                "more layers")
         initialised = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank() if initialised else -1
         if initialised:
@@ -265,8 +176,9 @@ class PipelineModule(nn.Module):
         return topology, num_stages, stage_id, rank
 
     def _partition_layers(self, method: str | list[int] = "uniform") -> None:
-        """Set `self.parts` (num_stages + 1 boundaries) and this stage's bounds; see the class docstring."""
-        n, p = self._num_layers, self.num_stages
+        """Set `self.parts` (num_stages x chunks + 1 boundaries) and this stage's bounds (its first chunk's);
+        see the class docstring."""
+        n, p = self._num_layers, self.num_stages * self.chunks
         if isinstance(method, (list, tuple)):
             self.parts = partition_from_bounds(method, n, p)
             label = repr(list(method))
@@ -286,7 +198,8 @@ class PipelineModule(nn.Module):
             raise PipelineError(f"partition_method must be a string or a list of boundaries, got {method!r}; "
                                 f"valid: {', '.join(PARTITION_METHODS)}")
         check_partition(self.parts, n, method=label)
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        first = self.model_stages[0]
+        self._set_bounds(start=self.parts[first], stop=self.parts[first + 1])
 
     def _count_layer_params(self) -> list[int]:
         """Trainable parameter elements of each layer (0 for callables); see `_trainable_count`."""
@@ -301,7 +214,8 @@ class PipelineModule(nn.Module):
         return self.parts
 
     def stage_owner(self, layer_idx: int) -> int:
-        """The stage holding global layer `layer_idx` (PipelineError if out of range)."""
+        """The (model) stage holding global layer `layer_idx` (PipelineError if out of range); its pipeline
+        rank is `stage_rank(stage)`."""
         return stage_owner(self.parts, layer_idx)
 
     def topology(self) -> ProcessTopology:
@@ -311,45 +225,59 @@ class PipelineModule(nn.Module):
     def num_pipeline_stages(self) -> int:
         return self._topo.get_dim("pipe")
 
+    def stage_rank(self, model_stage: int) -> int:
+        """The pipeline rank (pipe coordinate) holding `model_stage`."""
+        return stage_rank(model_stage, self.num_stages, self.chunks, self.chunk_layout)
+
     def is_first_stage(self) -> bool:
-        return self.stage_id == 0
+        """Whether this rank holds the first model stage (it reads the inputs)."""
+        return 0 in self.model_stages
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank holds the last model stage (it reads the labels and computes the loss)."""
+        return self.num_stages * self.chunks - 1 in self.model_stages
 
     # ---- building --------------------------------------------------------------------------------------
     def _seed(self, seed: int) -> None:
         (self.seed_fn or set_random_seed)(seed)
 
     def _build(self) -> None:
-        """Build this stage's layers in order, each after seeding with base_seed + its index (seed_layers)."""
-        for layer_idx in range(self._local_start, self._local_stop):
-            layer = self._layer_specs[layer_idx]
-            if self.seed_layers:
-                self._seed(self.base_seed + layer_idx)
-            if isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    module = layer.build()
-                    for attr in layer.tied_weight_attr:
-                        try:
-                            _recursive_getattr(module, attr)
-                        except AttributeError:
-                            raise PipelineError(
-                                f"TiedLayerSpec key {layer.key!r} (layer {layer_idx}, {layer!r}) has no attribute "
-                                f"{attr!r} named in tied_weight_attr={layer.tied_weight_attr}; name the shared "
-                                "parameters, e.g. tied_weight_attr=['weight']") from None
-                    self.tied_modules[layer.key] = module
-                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
-            elif isinstance(layer, (LayerSpec, nn.Module)):
-                module = layer.build() if isinstance(layer, LayerSpec) else layer
-                name = str(layer_idx)
-                self.forward_funcs.append(module)
-                self.fwd_map[name] = len(self.forward_funcs) - 1
-                self.add_module(name, module)
-            else:
-                self.forward_funcs.append(layer)
+        """Build this rank's layers (chunk after chunk) in order, each after seeding with base_seed + its index
+        (seed_layers)."""
+        for stage in self.model_stages:
+            start = len(self.forward_funcs)
+            for layer_idx in range(self.parts[stage], self.parts[stage + 1]):
+                self._build_layer(layer_idx)
+            self._chunk_funcs[stage] = (start, len(self.forward_funcs))
+
+    def _build_layer(self, layer_idx: int) -> None:
+        layer = self._layer_specs[layer_idx]
+        self._func_layer.append(layer_idx)
+        if self.seed_layers:
+            self._seed(self.base_seed + layer_idx)
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                module = layer.build()
+                for attr in layer.tied_weight_attr:
+                    try:
+                        _recursive_getattr(module, attr)
+                    except AttributeError:
+                        raise PipelineError(
+                            f"TiedLayerSpec key {layer.key!r} (layer {layer_idx}, {layer!r}) has no attribute "
+                            f"{attr!r} named in tied_weight_attr={layer.tied_weight_attr}; name the shared "
+                            "parameters, e.g. tied_weight_attr=['weight']") from None
+                self.tied_modules[layer.key] = module
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            module = self.tied_modules[layer.key]
+            self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+        elif isinstance(layer, (LayerSpec, nn.Module)):
+            module = layer.build() if isinstance(layer, LayerSpec) else layer
+            name = str(layer_idx)
+            self.forward_funcs.append(module)
+            self.fwd_map[name] = len(self.forward_funcs) - 1
+            self.add_module(name, module)
+        else:
+            self.forward_funcs.append(layer)
 
     def _index_tied_stages(self) -> dict[str, list[int]]:
         """Every tie key of the whole model -> the sorted stages holding one of its layers."""
@@ -370,11 +298,16 @@ class PipelineModule(nn.Module):
         self.tied_stages(key)
         return [i for i, layer in enumerate(self._layer_specs) if isinstance(layer, TiedLayerSpec) and layer.key == key]
 
+    def tied_pipe_ranks(self, key: str) -> list[int]:
+        """The pipeline ranks holding tie `key` (sorted, distinct: with several chunks a rank may hold it twice,
+        sharing one module)."""
+        return sorted({self.stage_rank(s) for s in self.tied_stages(key)})
+
     def tied_rank_lists(self, key: str) -> list[list[int]]:
         """The global ranks whose tied weights `key` must agree: one list per coordinate of the other axes
-        (data, model), each holding the ranks of `tied_stages(key)` in stage order (the groups of
+        (data, model), each holding the ranks of `tied_pipe_ranks(key)` in order (the groups of
         DeepSpeed's `_index_tied_modules`)."""
-        stages = self.tied_stages(key)
+        stages = self.tied_pipe_ranks(key)
         return [[ranks[s] for s in stages] for ranks in self._topo.get_axis_comm_lists("pipe")]
 
     def tied_weights(self, key: str) -> list[torch.Tensor]:
@@ -395,41 +328,91 @@ class PipelineModule(nn.Module):
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
 
-    def _checkpointable_blocks(self, interval: int) -> list[bool]:
+    def _checkpointable_blocks(self, interval: int, lo: int, hi: int) -> list[bool]:
+        """Whether each block of `interval` functions of forward_funcs[lo:hi] is checkpointed (cached)."""
         if self._checkpointable_cache is None or self._checkpointable_cache[0] != interval:
-            n = len(self.forward_funcs)
-            self._checkpointable_cache = (interval, [self._is_checkpointable(self.forward_funcs[s:s + interval])
-                                                     for s in range(0, n, interval)])
-        return self._checkpointable_cache[1]
+            self._checkpointable_cache = (interval, {})
+        cache = self._checkpointable_cache[1]
+        if (lo, hi) not in cache:
+            cache[lo, hi] = [self._is_checkpointable(self.forward_funcs[s:min(s + interval, hi)])
+                             for s in range(lo, hi, interval)]
+        return cache[lo, hi]
 
     def _exec_range_func(self, start: int, end: int, micro_offset: int) -> Callable:
         """A function running forward_funcs[start:end] (inputs as DeepSpeed: one argument is passed alone)."""
         def exec_func(*inputs):
             x = inputs[0] if len(inputs) == 1 else inputs
             for idx in range(start, end):
-                self.curr_layer = idx + self._local_start
+                self.curr_layer = self._func_layer[idx]
                 if self.seed_layers:
                     self._seed(self.base_seed * micro_offset + self.curr_layer)
                 x = self.forward_funcs[idx](x)
             return x
         return exec_func
 
+    def _chunk_range(self, model_stage: int | None) -> tuple[int, int]:
+        if model_stage is None:
+            if len(self.model_stages) > 1:
+                raise PipelineError(f"this rank holds {len(self.model_stages)} model stages {self.model_stages}: name "
+                                    "the one to run (forward_chunk(model_stage, x))")
+            model_stage = self.model_stages[0]
+        if model_stage not in self._chunk_funcs:
+            raise PipelineError(f"model stage {model_stage} is not on this rank (it holds {self.model_stages})")
+        return self._chunk_funcs[model_stage]
+
     def forward(self, forward_input: Any) -> Any:
         """Run this stage's layers on `forward_input` (a tensor or a tuple, whatever the first layer takes);
-        returns the last layer's output. Blocks of `activation_checkpoint_interval` layers are checkpointed."""
+        returns the last layer's output. Blocks of `activation_checkpoint_interval` layers are checkpointed.
+        With several chunks per rank use `forward_chunk`."""
+        return self.forward_chunk(None, forward_input)
+
+    def forward_chunk(self, model_stage: int | None, forward_input: Any) -> Any:
+        """`forward` through the layers of one model stage this rank holds (None: the only one)."""
+        return self._run(*self._chunk_range(model_stage), forward_input, None)
+
+    def forward_segments(self, forward_input: Any, model_stage: int | None = None) -> tuple[Any, list]:
+        """`forward_chunk`, run as segments whose inputs are detached leaves, for a backward split into input-
+        and weight-gradient passes (`pipe.backward_split`): one segment per layer, or per checkpointed block
+        of `activation_checkpoint_interval` layers. Returns (output, [Segment, ...]); the output equals
+        `forward`'s."""
+        segments: list = []
+        return self._run(*self._chunk_range(model_stage), forward_input, segments), segments
+
+    def _run(self, lo: int, hi: int, x: Any, segments: list | None) -> Any:
+        """forward_funcs[lo:hi] on x, in blocks (checkpointed ones through activation_checkpoint_func); with
+        `segments` a list, each block starts from detached inputs and is recorded as a Segment."""
+        from .backward_split import Segment, detach_input
         self.micro_offset += 1
         micro_offset = self.micro_offset + 1
-        n, interval = len(self.forward_funcs), self.activation_checkpoint_interval
-        if interval == 0:
-            return self._exec_range_func(0, n, micro_offset)(forward_input)
+        interval = self.activation_checkpoint_interval
+        if interval == 0 and segments is None:
+            return self._exec_range_func(lo, hi, micro_offset)(x)
+        step = interval or 1
+        blocks = self._checkpointable_blocks(interval, lo, hi) if interval else [False] * (hi - lo)
         kwargs = {"use_reentrant": False} if _takes_use_reentrant(self.activation_checkpoint_func) else {}
-        x = forward_input
-        for start, checkpointable in zip(range(0, n, interval), self._checkpointable_blocks(interval)):
-            func = self._exec_range_func(start, min(start + interval, n), micro_offset)
-            if not isinstance(x, tuple):
-                x = (x,)
-            x = self.activation_checkpoint_func(func, *x, **kwargs) if checkpointable else func(*x)
+        for start, checkpointable in zip(range(lo, hi, step), blocks):
+            stop = min(start + step, hi)
+            func = self._exec_range_func(start, stop, micro_offset)
+            if segments:  # the stage's own input stays the leaf it is (its gradient is sent back)
+                x = detach_input(x)
+            inputs = x if isinstance(x, tuple) else (x,)
+            out = self.activation_checkpoint_func(func, *inputs, **kwargs) if checkpointable else func(*inputs)
+            if segments is not None:
+                segments.append(Segment(inputs, out, self._segment_params(start, stop)))
+            x = out
         return x
+
+    def _segment_params(self, start: int, stop: int) -> list[torch.nn.Parameter]:
+        """The distinct trainable parameters of forward_funcs[start:stop] (a tied module's too)."""
+        seen, out = set(), []
+        for f in self.forward_funcs[start:stop]:
+            module = f.args[0] if isinstance(f, partial) and f.args and isinstance(f.args[0], nn.Module) else f
+            if isinstance(module, nn.Module):
+                for p in module.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
 
     def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
         """Model-specific extra losses to report ({name: value}) or None (DeepSpeed's hook)."""

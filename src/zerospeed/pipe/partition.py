@@ -164,3 +164,36 @@ def stage_owner(parts: Sequence[int], layer_idx: int) -> int:
         if parts[stage] <= layer_idx < parts[stage + 1]:
             return stage
     raise PipelineError(f"layer {layer_idx} is owned by no stage of partition {list(parts)}")
+
+
+#: How model stages sit on pipeline ranks when each rank holds several (`PipelineModule(chunks=...)`).
+CHUNK_LAYOUTS = ("interleaved", "v")
+
+
+def chunk_stages(rank: int, num_stages: int, chunks: int, layout: str = "interleaved") -> list[int]:
+    """The model stages (0 .. num_stages * chunks - 1) pipeline rank `rank` holds, ascending.
+
+    "interleaved": stage c * num_stages + rank for each chunk c (Narayanan et al. 2021 §2.2, Megatron's virtual
+    pipeline stages; `schedule.interleaved_1f1b`). "v": two chunks, stages rank and 2 * num_stages - 1 - rank, so
+    rank 0 holds the first and the last stage (Qi et al. 2024 §6 ZB-V, DeepSeek-V3's DualPipeV;
+    `schedule.zb_v`). One chunk: [rank]. Raises PipelineError for an unknown layout, chunks < 1, or "v" with a
+    chunk count other than 2.
+    """
+    if layout not in CHUNK_LAYOUTS:
+        raise PipelineError(f"unknown chunk layout {layout!r}; valid: {', '.join(CHUNK_LAYOUTS)}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PipelineError(f"chunks must be an integer >= 1, got {chunks!r}")
+    if chunks == 1:
+        return [rank]
+    if layout == "v":
+        if chunks != 2:
+            raise PipelineError(f"the 'v' layout holds exactly 2 chunks per rank, got chunks={chunks}")
+        return [rank, 2 * num_stages - 1 - rank]
+    return [c * num_stages + rank for c in range(chunks)]
+
+
+def stage_rank(model_stage: int, num_stages: int, chunks: int, layout: str = "interleaved") -> int:
+    """The pipeline rank holding `model_stage` (the inverse of `chunk_stages`)."""
+    if chunks > 1 and layout == "v":
+        return model_stage if model_stage < num_stages else 2 * num_stages - 1 - model_stage
+    return model_stage % num_stages

@@ -417,3 +417,32 @@ def candidate_schedules(num_stages: int, num_microbatches: int, *,
         out["interleaved_1f1b"] = lambda: interleaved_1f1b(num_stages, num_microbatches, chunks)
     out["zb_v"] = lambda: zb_v(num_stages, num_microbatches)
     return out
+
+
+#: schedule name -> the model-stage layout it runs on: "one" chunk per rank, "interleaved" (chunks >= 2,
+#: stage c * p + r on rank r) or "v" (two chunks, stages r and 2p - 1 - r); see partition.chunk_stages.
+SCHEDULE_LAYOUTS = {"1f1b": "one", "gpipe": "one", "zb_h1": "one", "interleaved_1f1b": "interleaved", "zb_v": "v"}
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, *, chunks: int = 1,
+                   layout: str = "interleaved") -> Schedule:
+    """The schedule `name` (a key of SCHEDULE_LAYOUTS) for `num_stages` pipeline ranks holding `chunks` model
+    chunks each in `layout` (`PipelineModule(chunks=..., chunk_layout=...)`).
+
+    Raises ValueError naming the fix for an unknown name, a module whose chunks do not fit the schedule
+    (1F1B, GPipe and ZB-H1 need one chunk per rank; interleaved 1F1B chunks >= 2 with the "interleaved"
+    layout; ZB-V two chunks with the "v" layout), or sizes the schedule does not take.
+    """
+    if name not in SCHEDULE_LAYOUTS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULE_LAYOUTS)}")
+    want = SCHEDULE_LAYOUTS[name]
+    have = "one" if chunks == 1 else layout
+    if want != have or (want == "v" and chunks != 2):
+        need = {"one": "chunks=1", "interleaved": "chunks >= 2 and chunk_layout='interleaved'",
+                "v": "chunks=2 and chunk_layout='v'"}[want]
+        raise ValueError(f"pipeline schedule {name!r} runs on a PipelineModule built with {need}, but this one has "
+                         f"chunks={chunks}, chunk_layout={layout!r}: build the module with {need}, or choose a "
+                         f"schedule for its layout ({', '.join(n for n, w in SCHEDULE_LAYOUTS.items() if w == have)})")
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_stages, num_microbatches, chunks)
+    return {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zb_h1, "zb_v": zb_v}[name](num_stages, num_microbatches)

@@ -23,6 +23,7 @@ from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..parallel import ParallelMesh
+from ..pipe.schedule import build_schedule
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..tensor_parallel import tensor_parallel_layers
 from ..zero.factory import build_strategy
@@ -30,6 +31,7 @@ from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
 from .pipe_engine import PipelineEngine
+from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
@@ -208,14 +210,15 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
                                  world=dist.get_world_size(group), param_bytes=itemsize)
 
 
-def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False):
+def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=None):
     """How tensor parallelism splits the gradient (for the global norm), or None when nothing is sharded.
     Sharded: the parameters of zerospeed's tensor-parallel layers, and those Megatron-LM marks
     `tensor_model_parallel=True` (a user's mpu with Megatron layers, as DeepSpeed reads it)."""
     from ..zero.clipping import ModelParallelGrads
 
-    if pipeline:  # every stage holds its own layers: squares summed over the pipe group, nothing replicated
-        return ModelParallelGrads(group=mesh.group("pipe"), size=mesh.size("pipe"), replicated=frozenset())
+    if pipeline:  # every stage holds its own layers: squares summed over the pipe group, tied weights counted once
+        return ModelParallelGrads(group=mesh.group("pipe"), size=mesh.size("pipe"), replicated=frozenset(),
+                                  excluded=ties.excluded_from_norm() if ties else frozenset())
     if mesh.size("tensor") == 1:
         return None
 
@@ -245,9 +248,15 @@ def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
     if mpu is not None or cfg.tensor_parallel.size > 1:
         raise NotImplementedError("a PipelineModule with initialize(mpu=...) or tensor_parallel.autotp_size is not "
                                   "supported yet: the pipeline builds its own (pipe, data) mesh")
-    if getattr(model, "tied_modules", None):
-        raise NotImplementedError(f"layers tied across pipeline stages ({sorted(model.tied_modules)}) are not "
-                                  "supported yet by the pipeline engine")
+    try:
+        build_schedule(cfg.pipeline.schedule, model.num_stages, cfg.gradient_accumulation_steps, chunks=model.chunks,
+                       layout=model.chunk_layout)
+    except ValueError as e:
+        raise ConfigError(f"pipeline.schedule: {e}") from None
+    stages = cfg.pipeline.stages
+    if stages != "auto" and stages != model.num_stages:
+        raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={model.num_stages}; "
+                          "set pipeline.stages to \"auto\" (the module decides, as in DeepSpeed) or make them agree")
 
 
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
@@ -308,6 +317,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     pipeline = _is_pipeline(model)
     if pipeline:
         _check_pipeline(cfg, model, mpu)
+    elif cfg.pipeline.schedule != "1f1b" or cfg.pipeline.stages not in ("auto", 1):
+        raise ConfigError(f"the pipeline block sets schedule={cfg.pipeline.schedule!r}, stages="
+                          f"{cfg.pipeline.stages!r}, but the model is a {type(model).__name__}, not a "
+                          "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
@@ -338,6 +351,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast(t.data, 0, group=source_group)
+    ties = TiedWeights(model, mesh.group("pipe"), None) if pipeline else None
+    if ties:
+        ties.synchronize()  # layers tied across stages start equal (before the strategy copies them)
     if tp_plan is not None:  # AutoTP: each rank keeps its shard of the planned layers
         model_parameters = remap_parameters(shard_model(model, tp_plan, mesh), model_parameters, optimizer)
     policy = MixedPrecisionPolicy.from_precision(cfg.precision, cfg.communication_data_type)
@@ -359,7 +375,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
-                              model_parallel=_model_parallel_grads(model, mesh, pipeline))
+                              model_parallel=_model_parallel_grads(model, mesh, pipeline, ties))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
@@ -378,7 +394,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
     if pipeline:
-        engine._init_pipeline(mesh.group("pipe"))
+        engine._init_pipeline(mesh.group("pipe"), cfg.pipeline.schedule, ties)
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds

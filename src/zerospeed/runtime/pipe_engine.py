@@ -1,54 +1,93 @@
 """`PipelineEngine`: runs a pipeline schedule (`pipe.schedule`, plans as data) on one stage of a
 `PipelineModule`, with ZeRO over the data-parallel group (DeepSpeed's `PipelineEngine.train_batch`).
 
-One call of `train_batch(data_iter)` walks this rank's action list of the 1F1B schedule (DeepSpeed's
-`TrainSchedule`; Narayanan et al. 2019, PipeDream-Flush): `LoadMicroBatch` pulls `(inputs, labels)` from the
-iterator on the first stage (inputs) and the last stage (labels), as DeepSpeed; `Forward` runs the stage's
-layers (the last stage also `loss_fn(output, labels)`); activations and their gradients move between
-neighbouring stages with point-to-point messages over the mesh's "pipe" group (sends asynchronous, receives
-blocking; the activation shape and dtype are exchanged once and cached); `Backward` back-propagates the
-loss / micro_batches (last stage) or the received output gradient; the data-parallel reduction is armed for
-the last micro-batch's backward, so gradients accumulate locally before it (the engine's accumulation
-contract); `OptimizerStep` unscales, takes the global norm over every stage (each stage's parameters are
-disjoint: the squares are summed over the data group, then the pipe group), clips and steps.
+One call of `train_batch(data_iter)` walks this rank's action list of the configured schedule
+(`"pipeline": {"schedule": ...}`: 1F1B, DeepSpeed's `TrainSchedule`, by default; GPipe; ZB-H1). One executor
+runs them all, keyed by (micro-batch, model stage):
 
-This first increment supports a single-tensor activation, ZeRO stages 0-2 (stage 2 reduce-scatters at every
-micro-batch's backward, as outside pipelines), fp32 and bf16, the 1F1B
-schedule, and no layers tied across stages; everything else raises NotImplementedError naming it.
+* `LoadMicroBatch` pulls `(inputs, labels)` from the iterator: inputs on the first model stage, labels on the
+  last (DeepSpeed's); all micro-batches of the batch are read before any message, so a short iterator fails
+  on the stages that read it instead of leaving their neighbours waiting.
+* `Forward` runs the stage (the last stage also `loss_fn(output, labels)`, scaled by 1 / micro_batches and the
+  loss scale); with a split schedule it runs as segments (`PipelineModule.forward_segments`).
+* activations (tensors or tuples) and their gradients move with point-to-point messages over the mesh's "pipe"
+  group (`pipe.p2p.ActivationLink`: sends asynchronous, receives blocking, shapes exchanged once).
+* `Backward` is the fused backward; `BackwardInput` / `BackwardWeight` its two halves (`pipe.backward_split`).
+* the data-parallel reduction: stage 0/1 arm it for the trailing run of each stage's final weight-gradient
+  pass (1F1B: the last micro-batch's backward), so it overlaps that backward and gradients accumulate locally
+  before it; stage 2 reduce-scatters at every weight-gradient pass (DeepSpeed refuses ZeRO 2 with pipelines).
+  `ReduceGrads` waits for the sends and finishes the reduction.
+* `OptimizerStep` is the engine's boundary step: unscale, the global norm over every stage (each stage's
+  parameters are disjoint: squares summed over the data group, then the pipe group), clip, step.
+
+Layers tied across stages (`TiedLayerSpec`) start equal and have their gradients summed over the stages
+holding them after the data-parallel reduction (`runtime.pipe_ties`). Not yet: fp16, several model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV):
+`zerospeed.initialize` refuses them with the reason.
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm.ops import all_reduce, broadcast, recv, start_send
-from ..pipe.schedule import (Backward, Forward, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
-                             ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, one_f_one_b)
+from ..comm.ops import all_reduce, broadcast
+from ..pipe.backward_split import backward_fused, backward_input, backward_weight, detach_input
+from ..pipe.p2p import ActivationLink, as_tuple
+from ..pipe.schedule import (Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
+                             RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
+                             build_schedule, stage_owners)
 from .engine import ZeroSpeedEngine
 
-__all__ = ["PipelineEngine"]
+__all__ = ["PipelineEngine", "reduction_window"]
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+
+def reduction_window(actions: list) -> int | None:
+    """Index of the first action of the trailing run of weight-gradient passes (`Backward` or
+    `BackwardWeight`) that are each the last one of their model stage on this rank: the data-parallel
+    reduction is armed there, so every parameter gets exactly one gradient while armed. None without any
+    weight-gradient pass. 1F1B: the last micro-batch's backward."""
+    passes = [(i, a.stage) for i, a in enumerate(actions) if isinstance(a, (Backward, BackwardWeight))]
+    last = {stage: i for i, stage in passes}
+    start = None
+    for i, stage in reversed(passes):
+        if last[stage] != i:
+            break
+        start = i
+    return start
 
 
 class PipelineEngine(ZeroSpeedEngine):
     """The engine for a `PipelineModule` (built by `zerospeed.initialize`). Use `train_batch(data_iter)`;
     `forward`, `backward` and `step` raise (as DeepSpeed's PipelineEngine)."""
 
-    def _init_pipeline(self, pipe_group) -> None:
+    def _init_pipeline(self, pipe_group, schedule: str = "1f1b", ties=None) -> None:
         self.pipe_group = pipe_group
+        self._ties = ties
+        if ties:
+            ties.logger = self.comms_logger
         self.num_stages, self.stage_id = self.module.num_stages, self.module.stage_id
         self.micro_batches = self._gas
         self.data_iterator = None
-        self._schedule = one_f_one_b(self.num_stages, self.micro_batches)[self.stage_id]
-        self._recv_shape: tuple | None = None  # (shape, dtype) of this stage's input, learned once
-        self._sent_shape: tuple | None = None
+        self.schedule_name = schedule
+        module = self.module
+        plan = build_schedule(schedule, self.num_stages, self.micro_batches, chunks=module.chunks,
+                              layout=module.chunk_layout)
+        self._rank_of = stage_owners(plan)  # model stage -> pipe rank
+        if any(module.stage_rank(s) != r for s, r in self._rank_of.items()):
+            raise RuntimeError(f"schedule {schedule!r} places model stages {self._rank_of} differently from the "
+                               f"PipelineModule's layout {module.chunk_layout!r}")
+        self._actions = plan[self.stage_id]
+        self._split = any(isinstance(a, BackwardInput) for a in self._actions)
+        self._window = reduction_window(self._actions)
+        self._last_model_stage = len(self._rank_of) - 1
+        self._link = ActivationLink(pipe_group, self.device, self.stage_id, self.comms_logger)
 
     # -- DeepSpeed's accessors ------------------------------------------------------------------
     def is_first_stage(self) -> bool:
-        return self.stage_id == 0
+        """Whether this rank holds the first model stage (it reads the inputs)."""
+        return self.module.is_first_stage()
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank holds the last model stage (it reads the labels and computes the loss)."""
+        return self.module.is_last_stage()
 
     def set_dataiterator(self, iterator) -> None:
         self.data_iterator = iterator
@@ -63,110 +102,108 @@ class PipelineEngine(ZeroSpeedEngine):
     def step(self, *args, **kwargs):
         self.forward()
 
-    # -- point-to-point -----------------------------------------------------------------------------
-    def _send(self, t: torch.Tensor, peer: int, works: list) -> None:
-        works.append(start_send(t.contiguous(), peer, group=self.pipe_group, logger=self.comms_logger))
-
-    def _recv(self, shape, dtype, peer: int) -> torch.Tensor:
-        return recv(torch.empty(shape, dtype=dtype, device=self.device), peer, group=self.pipe_group,
-                    logger=self.comms_logger)
-
-    def _send_activation(self, out: torch.Tensor, peer: int, works: list) -> None:
-        if not torch.is_tensor(out):
-            raise NotImplementedError(f"pipeline stage {self.stage_id} returned {type(out).__name__}: only a single "
-                                      "tensor can pass between stages in this version")
-        meta = (tuple(out.shape), out.dtype)
-        if self._sent_shape is None:  # first micro-batch ever: tell the next stage what to expect
-            head = torch.tensor([_DTYPES.index(out.dtype), out.dim(), *out.shape], dtype=torch.int64)
-            self._send(torch.tensor([head.numel()], dtype=torch.int64), peer, works)
-            self._send(head, peer, works)
-            self._sent_shape = meta
-        elif meta != self._sent_shape:
-            raise RuntimeError(f"pipeline stage {self.stage_id} produced an activation of shape {meta[0]} and dtype "
-                               f"{meta[1]}, but earlier micro-batches had {self._sent_shape[0]} / {self._sent_shape[1]}: "
-                               "every micro-batch must have the same shape (pad or drop the last batch)")
-        self._send(out.detach(), peer, works)
-
-    def _recv_activation(self, peer: int) -> torch.Tensor:
-        if self._recv_shape is None:
-            n = self._recv((1,), torch.int64, peer)
-            head = self._recv((int(n),), torch.int64, peer)
-            self._recv_shape = (tuple(int(s) for s in head[2:2 + int(head[1])]), _DTYPES[int(head[0])])
-        x = self._recv(*self._recv_shape, peer)
-        return x.requires_grad_(x.is_floating_point())
-
     # -- one batch ----------------------------------------------------------------------------------
+    def _read_batch(self, it) -> list:
+        """The batch's micro-batches, read up front on the stages that load data (else [])."""
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return []
+        if it is None:
+            raise ValueError("train_batch() needs a data iterator on the first and last stage: pass "
+                             "train_batch(data_iter) or call engine.set_dataiterator(...)")
+        fetched, m = [], self.micro_batches
+        for i in range(m):
+            try:
+                fetched.append(next(it))
+            except StopIteration:
+                raise RuntimeError(f"the data iterator ran dry at micro-batch {i} of {m} (stage {self.stage_id}); "
+                                   f"give it at least {m} micro-batches per train_batch") from None
+        return fetched
+
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Run one global batch (`micro_batches` micro-batches through every stage) and step. Collective over
         the world. Returns the mean loss over the micro-batches and data-parallel ranks, the same 0-d tensor
         on every rank. Raises ValueError without a data iterator on the first or last stage, RuntimeError
         when it runs dry mid-batch (naming the micro-batch)."""
-        it = data_iter if data_iter is not None else self.data_iterator
-        if it is None and (self.is_first_stage() or self.is_last_stage()):
-            raise ValueError("train_batch() needs a data iterator on the first and last stage: pass "
-                             "train_batch(data_iter) or call engine.set_dataiterator(...)")
+        fetched = self._read_batch(data_iter if data_iter is not None else self.data_iterator)
         self.module.train()
-        inputs, outputs, labels, grads, losses, works = {}, {}, {}, {}, [], []
-        m = self.micro_batches
-        # the batch's micro-batches are read before any message is sent, so a short iterator fails here, on
-        # the stages that read it, instead of leaving their neighbours waiting mid-batch
-        fetched = []
-        if self.is_first_stage() or self.is_last_stage():
-            for i in range(m):
-                try:
-                    fetched.append(next(it))
-                except StopIteration:
-                    raise RuntimeError(f"the data iterator ran dry at micro-batch {i} of {m} (stage {self.stage_id});"
-                                       f" give it at least {m} micro-batches per train_batch") from None
-        for a in self._schedule:
+        inputs, outputs, targets, grads, pending, labels, losses = {}, {}, {}, {}, {}, {}, []
+        last, m, link = self._last_model_stage, self.micro_batches, self._link
+        for i, a in enumerate(self._actions):
+            key = (getattr(a, "microbatch", None), getattr(a, "stage", None))
             if isinstance(a, LoadMicroBatch):
                 batch = fetched[a.microbatch]
                 x, y = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
-                if self.is_first_stage():
-                    inputs[a.microbatch] = x.to(self.device)
-                if self.is_last_stage():
-                    labels[a.microbatch] = None if y is None else y.to(self.device)
+                if a.stage == 0:
+                    inputs[key] = _to(x, self.device)
+                if a.stage == last:
+                    labels[a.microbatch] = None if y is None else _to(y, self.device)
             elif isinstance(a, RecvActivation):
-                inputs[a.microbatch] = self._recv_activation(a.peer)
+                inputs[key] = link.recv_activation(self._rank_of[a.peer])
             elif isinstance(a, Forward):
-                out = self.module(inputs[a.microbatch])
-                if self.is_last_stage():
-                    loss_fn = self.module.loss_fn
-                    out = loss_fn(out, labels.pop(a.microbatch)) if loss_fn is not None else out
-                    losses.append(out.detach().float())
-                outputs[a.microbatch] = out
+                if key not in inputs:  # the previous model stage is on this rank: its output, detached
+                    inputs[key] = detach_input(outputs.pop((a.microbatch, a.stage - 1)))
+                run = self.module
+                out, segments = run.forward_segments(inputs[key], a.stage) if self._split else \
+                    (run.forward_chunk(a.stage, inputs[key]), None)
+                target = out
+                if a.stage == last:
+                    loss = run.loss_fn(out, labels.pop(a.microbatch)) if run.loss_fn is not None else out
+                    losses.append(loss.detach().float())
+                    target = self.loss_scaler.scale(loss / m)
+                    if segments:
+                        segments[-1].output = target
+                targets[key] = segments if self._split else target
+                if a.stage != last:
+                    outputs[key] = out  # sent on, and the shape of the gradient to receive
             elif isinstance(a, SendActivation):
-                self._send_activation(outputs[a.microbatch], a.peer, works)
+                link.send_activation(outputs[key], self._rank_of[a.peer])
             elif isinstance(a, RecvGrad):
-                out = outputs[a.microbatch]
-                grads[a.microbatch] = self._recv(tuple(out.shape), out.dtype, a.peer)
+                grads[key] = link.recv_grads(outputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, Backward):
-                self._backward(a.microbatch, outputs.pop(a.microbatch), grads.pop(a.microbatch, None), m)
-                if self.is_first_stage():
-                    inputs.pop(a.microbatch, None)  # nothing to send back: drop the micro-batch now
+                self._before_weights(i)
+                backward_fused(targets.pop(key), grads.pop(key, None))
+                self._after_weights(i)
+                self._input_grads_done(key, inputs, grads)
+            elif isinstance(a, BackwardInput):
+                pending[key], _ = backward_input(targets.pop(key), grads.pop(key, None))
+                self._input_grads_done(key, inputs, grads)
+            elif isinstance(a, BackwardWeight):
+                self._before_weights(i)
+                backward_weight(pending.pop(key))
+                self._after_weights(i)
             elif isinstance(a, SendGrad):
-                x = inputs.pop(a.microbatch)
-                self._send(x.grad if x.grad is not None else torch.zeros_like(x), a.peer, works)
+                link.send_grads(inputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, ReduceTiedGrads):
-                pass  # no layer is tied across stages (refused at initialize)
+                pass  # done after the data-parallel reduction (ReduceGrads): the two sums commute
             elif isinstance(a, ReduceGrads):
-                for w in works:
-                    w.wait()
-                works = []
+                link.wait_sends()
                 if self.strategy.phase.value == "armed":
                     self.strategy.finish()
+                if self._ties:
+                    self._ties.reduce_grads(self.strategy, self.group)
             elif isinstance(a, OptimizerStep):
                 self._optimizer_step()
         return self._batch_loss(losses)
 
-    def _backward(self, mb: int, out: torch.Tensor, grad, m: int) -> None:
-        if mb == m - 1 or self.strategy.reduce_every_micro_step:
-            self.strategy.arm()  # the last micro-batch's backward reduces (the others accumulate locally)
-        if self.is_last_stage():
-            self.loss_scaler.scale(out / m).backward()
-        else:
-            torch.autograd.backward(out, grad_tensors=grad)
-        if self.strategy.reduce_every_micro_step and mb != m - 1:
+    def _input_grads_done(self, key, inputs: dict, grads: dict) -> None:
+        """After a backward produced the gradient of model stage key[1]'s input: the first stage drops the
+        micro-batch; when the previous model stage is on this rank, the gradient goes to it directly (no
+        message); else it waits in `inputs` for SendGrad."""
+        mb, stage = key
+        if stage == 0:
+            inputs.pop(key, None)
+        elif self._rank_of[stage - 1] == self.stage_id:
+            xs = as_tuple(inputs.pop(key))
+            grads[(mb, stage - 1)] = tuple(
+                (t.grad if t.grad is not None else torch.zeros_like(t)) if t.is_floating_point() else None for t in xs)
+
+    def _before_weights(self, index: int) -> None:
+        """Arm the data-parallel reduction before a weight-gradient pass (see the module docstring)."""
+        if index == self._window or (self.strategy.reduce_every_micro_step and index < self._window):
+            self.strategy.arm()
+
+    def _after_weights(self, index: int) -> None:
+        if self.strategy.reduce_every_micro_step and index < self._window:
             self.strategy.finish()
             self.strategy.disarm()
 
@@ -182,5 +219,12 @@ class PipelineEngine(ZeroSpeedEngine):
             t = torch.stack(losses).mean()
             all_reduce(t, group=self.group, logger=self.comms_logger)
             t /= self.dp_world_size
-        broadcast(t, self.num_stages - 1, group=self.pipe_group, logger=self.comms_logger)
+        broadcast(t, self._rank_of[self._last_model_stage], group=self.pipe_group, logger=self.comms_logger)
         return t
+
+
+def _to(x, device):
+    """A micro-batch's tensor, or tuple/list of tensors, on `device`."""
+    if isinstance(x, (tuple, list)):
+        return tuple(t.to(device) if torch.is_tensor(t) else t for t in x)
+    return x.to(device)

@@ -53,11 +53,15 @@ class ModelParallelGrads:
     group: dist.ProcessGroup | None
     size: int
     replicated: frozenset  # id() of the replicated parameters
+    # id() of parameters whose identical gradient another rank of the group holds and counts (a pipeline's
+    # tied weights on every stage but the first holding them): not counted here
+    excluded: frozenset = frozenset()
 
 
 def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
                   groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None,
-                  replicated: Sequence[torch.Tensor] = (), replicas: int = 1) -> float:
+                  replicated: Sequence[torch.Tensor] = (), replicas: int = 1,
+                  excluded: Sequence[torch.Tensor] = ()) -> float:
     """Global gradient 2-norm; clip `grads` in place to `max_norm` if it is > 0 and the norm is finite.
 
     grads: this rank's part of the gradient (any shapes/strides/dtypes, one device; padding must be
@@ -70,7 +74,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     the all-reduces. replicated / replicas: views (within `grads`) of
     gradients that `replicas` ranks of the last group hold identically (a tensor-parallel run's
     replicated parameters: norms, embeddings); their squares are weighted 1/replicas, so after the sum
-    over that group each counts once (`ModelParallelGrads`).
+    over that group each counts once (`ModelParallelGrads`). excluded: views (within `grads`) whose
+    squares another rank counts (weight 0 here: a pipeline's tied weights).
 
     Algorithm: `sum_of_squares` (fp32 norms of 64K-element pieces, summed in float64), one 1-element
     all-reduce per group, sqrt; clip coefficient min(1, max_norm / (norm + 1e-6)) in fp32, as
@@ -83,6 +88,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     sq = sum_of_squares(grads)
     if replicas > 1 and replicated:  # views into `grads` that `replicas` ranks of the last group hold alike
         sq -= (1.0 - 1.0 / replicas) * sum_of_squares(list(replicated))
+    if excluded:
+        sq -= sum_of_squares(list(excluded))
     for group in groups:
         all_reduce(sq, group=group, logger=logger)
     norm = math.sqrt(float(sq))

@@ -66,12 +66,13 @@ class ZeroStrategy(abc.ABC):
         mp = self.model_parallel
         if mp is None or mp.size == 1:
             return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None))
-        replicated = []
+        replicated, excluded = [], []
         for p in self.managed_for_norm():
-            if id(p) in mp.replicated and (where := self.locate(p)) is not None:
-                replicated += [t for _, _, t in self.reduced_grad_pieces(where[0]) or []]
+            if (id(p) in mp.replicated or id(p) in mp.excluded) and (where := self.locate(p)) is not None:
+                pieces = [t for _, _, t in self.reduced_grad_pieces(where[0]) or []]
+                (replicated if id(p) in mp.replicated else excluded).extend(pieces)
         return clip_and_norm(grads, max_norm, groups=(*groups, mp.group), logger=getattr(self, "logger", None),
-                             replicated=replicated, replicas=mp.size)
+                             replicated=replicated, replicas=mp.size, excluded=excluded)
 
     def managed_for_norm(self) -> list[torch.Tensor]:
         """The trainable parameters whose gradients this strategy norms (default `self.params`)."""
@@ -158,6 +159,13 @@ class ZeroStrategy(abc.ABC):
         """This rank's pieces (start, end, 1-D tensor of end - start elements of the flattened parameter)
         of the reduced fp32 gradient of the parameter `key` (from `locate`), or None if no reduced
         gradient is held. Over all ranks the pieces cover the parameter once. Local."""
+
+    def step_grad_pieces(self, key) -> list[tuple[int, int, torch.Tensor]] | None:
+        """The pieces of parameter `key`'s reduced gradient that this rank's optimizer step reads, as
+        `reduced_grad_pieces` (writable views: a change is what the step sees). Default: those same pieces
+        (stages 1-2: the rank's partition); stage 0 overrides it (every rank steps the whole parameter).
+        Local."""
+        return self.reduced_grad_pieces(key)
 
     def full_values(self, tensors: list[torch.Tensor]) -> FullValues:
         """Full values of `tensors` (model parameters and buffers), one at a time, for writing them out
@@ -339,10 +347,10 @@ class DataParallelStrategy(ZeroStrategy):
         mp = self.model_parallel
         if mp is None or mp.size == 1:
             return clip_and_norm(flat, max_norm)
-        replicated = [m.grad for p, m in zip(self.params, self.master_params)
-                      if id(p) in mp.replicated and m.grad is not None]  # whole here: no writer slices
-        return clip_and_norm(flat, max_norm, groups=(mp.group,), logger=self.logger, replicated=replicated,
-                             replicas=mp.size)
+        def whole(ids):  # whole here: no writer slices
+            return [m.grad for p, m in zip(self.params, self.master_params) if id(p) in ids and m.grad is not None]
+        return clip_and_norm(flat, max_norm, groups=(mp.group,), logger=self.logger, replicated=whole(mp.replicated),
+                             replicas=mp.size, excluded=whole(mp.excluded))
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         self._link_master_grads()
@@ -420,6 +428,12 @@ class DataParallelStrategy(ZeroStrategy):
             return None
         lo, hi = self._writer_layout().param_shard_range(key, dist.get_rank(self.group))
         return [(lo, hi, g.reshape(-1)[lo:hi])] if hi > lo else []
+
+    def step_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
+        """The whole all-reduced master gradient of parameter `key` (every rank steps all of it)."""
+        self._link_master_grads()
+        g = self._masters()[key].grad
+        return None if g is None else [(0, g.numel(), g.reshape(-1))]
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes: params (Ψ x 2 or 4), grads (the buckets), optimizer_states, master_weights (4Ψ under
