@@ -79,8 +79,9 @@ def pipe_runs(rank, world, cases, kind="plain"):
     out = {}
     for schedule, stage, opt in cases:
         block, clip = OPTIMIZERS[opt]
-        module = PipelineModule(_layers(kind), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
-                                partition_method="uniform", **LAYOUTS.get(schedule, {}))
+        module = PipelineModule(_layers("plain" if kind == "ckpt" else kind), num_stages=2, loss_fn=nn.MSELoss(),
+                                seed_layers=True, partition_method="uniform", **LAYOUTS.get(schedule, {}),
+                                activation_checkpoint_interval=2 if kind == "ckpt" else 0)
         engine, *_ = zerospeed.initialize(model=module, config={
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": block,
             "gradient_clipping": clip, "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule}})
@@ -181,6 +182,22 @@ def test_pipeline_tuple_activations_match_one_process():
             _check_weights(r["state"], ref_state, (case, rank))
 
 
+CKPT_CASES = [(schedule, 2, "sgd") for schedule in SCHEDULES]
+
+
+def test_pipeline_activation_checkpointing_matches_one_process():
+    """activation_checkpoint_interval=2 (non-reentrant torch.utils.checkpoint): the recomputed forward gives
+    the same training under every schedule, the zero-bubble split included (its passes backward through a
+    checkpointed block twice)."""
+    results = run_distributed(pipe_runs, 2, CKPT_CASES, "ckpt", timeout=300)
+    ref_losses, ref_norms, ref_state = reference("sgd", 1)
+    for case in CKPT_CASES:
+        for rank, res in enumerate(results):
+            r = res[case]
+            assert max_rel_diff(r["losses"], ref_losses) < 1e-6 and max_rel_diff(r["norms"], ref_norms) < 1e-6, case
+            _check_weights(r["state"], ref_state, (case, rank))
+
+
 def misuse(rank, world):
     module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
     engine, *_ = zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": MICRO,
@@ -248,3 +265,78 @@ def test_pipeline_bf16_activations():
     ref_losses, _, _ = reference("adamw-clip", 1)
     for losses in run_distributed(bf16_run, 2, timeout=120):
         assert max_rel_diff(losses, ref_losses) < 3e-2  # bf16 parameters and activations, fp32 masters
+
+
+def eval_runs(rank, world, schedule):
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
+                            partition_method="uniform", **LAYOUTS.get(schedule, {}))
+    engine, *_ = zerospeed.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+        "optimizer": OPTIMIZERS["sgd"][0], "pipeline": {"schedule": schedule}})
+    dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
+    batches = _rank_batches(*_data(dp), dp, dp_rank)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    avg = engine.eval_batch(iter(batches))
+    listed, logits = engine.eval_batch(iter(batches), reduce_output=None, return_logits=True, bcast_loss=False)
+    two = engine.eval_batch(iter(batches), num_micro_batches=2)
+    unchanged = all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+    no_grads = all(p.grad is None for p in module.parameters())
+    trained = float(engine.train_batch(iter(batches)))  # training continues after evaluation
+    return {"avg": float(avg), "two": float(two), "listed": None if listed is None else [float(v) for v in listed],
+            "logits": None if logits is None else logits.shape, "unchanged": unchanged, "no_grads": no_grads,
+            "dp": dp, "trained": trained, "last": engine.is_last_stage()}
+
+
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (2, "zb_v"), (4, "interleaved_1f1b")])
+def test_eval_batch_matches_one_process(world, schedule):
+    """eval_batch (DeepSpeed's arguments): the mean loss over micro-batches and data ranks on every stage, the
+    per-micro-batch list and the last output on the last stage, fewer micro-batches, no weight or gradient
+    touched; train_batch afterwards gives the first training loss."""
+    results = run_distributed(eval_runs, world, schedule, timeout=300)
+    dp = world // 2
+    full = PipelineModule(_layers(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True, stage_id=0)
+    x, y = _data(dp)
+    ref_losses, _, _ = reference("sgd", dp)
+    with torch.no_grad():  # micro-batch losses of the first global batch, data rank by data rank
+        per = [[float(nn.functional.mse_loss(full(xb), yb)) for xb, yb in _rank_batches(x, y, dp, d)[:GAS]]
+               for d in range(dp)]
+    want = sum(sum(p) / GAS for p in per) / dp
+    want_two = sum(sum(p[:2]) / 2 for p in per) / dp
+    for rank, r in enumerate(results):
+        assert abs(r["avg"] - want) < 1e-6 * abs(want) and abs(r["two"] - want_two) < 1e-6 * abs(want_two), (rank, r)
+        assert r["unchanged"] and r["no_grads"], rank
+        assert abs(r["trained"] - ref_losses[0]) < 1e-6 * abs(ref_losses[0]), (rank, r["trained"], ref_losses[0])
+        if r["last"]:
+            d = rank % dp
+            assert max_rel_diff(r["listed"], per[d]) < 1e-6 and r["logits"] == (MICRO, 4), (rank, r)
+        else:
+            assert r["listed"] is None and r["logits"] is None
+
+
+def fp16_run(rank, world, num_stages, schedule):
+    module = PipelineModule(_layers(), num_stages=num_stages, loss_fn=nn.MSELoss(), seed_layers=True,
+                            partition_method="uniform", **LAYOUTS.get(schedule, {}))
+    engine, *_ = zerospeed.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
+        "fp16": {"enabled": True, "initial_scale_power": 17, "loss_scale_window": 2, "hysteresis": 1},
+        "optimizer": OPTIMIZERS["adamw-clip"][0], "zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}})
+    it = iter([(x.half(), y.half()) for x, y in _rank_batches(*_data(1), 1, 0)])
+    out = []
+    for _ in range(STEPS):
+        loss = float(engine.train_batch(it))
+        out.append((loss, engine.skipped_steps, engine.loss_scaler.loss_scale))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zb_v"])
+def test_pipeline_fp16_loss_scaling_matches_one_stage(schedule):
+    """fp16 with dynamic loss scaling from 2^17: the first two steps overflow, the scale halves, trains, doubles
+    after loss_scale_window=2 good steps and overflows again; every stage skips the same steps together (the
+    overflow decided over the world) and losses, skips and scales equal a one-stage run's exactly."""
+    one = run_distributed(fp16_run, 1, 1, "1f1b", timeout=300)[0]
+    for got in run_distributed(fp16_run, 2, 2, schedule, timeout=300):
+        assert got == one, (schedule, got, one)
+    assert [(skipped, scale) for _, skipped, scale in one] == [(1, 2 ** 16), (2, 2 ** 15), (2, 2 ** 15), (2, 2 ** 15),
+                                                              (2, 2 ** 16), (3, 2 ** 15)], one
+    ref_losses, _, _ = reference("adamw-clip", 1)
+    assert abs(one[0][0] - ref_losses[0]) < 2e-3 * ref_losses[0]  # the same model in fp16 (before any step)

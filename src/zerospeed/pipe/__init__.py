@@ -6,8 +6,8 @@ gpipe, one_f_one_b, interleaved_1f1b, zb_h1, zb_v; `build_schedule` by name) che
 
 `zerospeed.initialize(model=pipeline_module)` builds `runtime/pipe_engine.py`'s engine, whose
 `train_batch(data_iter)` runs the configured schedule (`"pipeline": {"schedule": ...}`) with ZeRO 0-2 over the
-data-parallel ranks. fp16, pipeline checkpoints in the topology-independent format and DeepSpeed's
-`DualPipeVModule` come next.
+data-parallel ranks (fp32, bf16, fp16), and `eval_batch`. Pipeline checkpoints in the topology-independent
+format and DeepSpeed's `DualPipeVModule` come next.
 """
 from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 from .schedule import build_schedule, candidate_schedules, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v

@@ -243,8 +243,6 @@ def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
     if stage >= 3:
         raise NotImplementedError(f"zero_optimization.stage={stage} with a PipelineModule is not supported: every "
                                   "micro-batch would gather each stage's parameters again; use stage 0, 1 or 2")
-    if cfg.fp16.enabled:
-        raise NotImplementedError("fp16 with a PipelineModule is not supported yet: use bf16 or fp32")
     if mpu is not None or cfg.tensor_parallel.size > 1:
         raise NotImplementedError("a PipelineModule with initialize(mpu=...) or tensor_parallel.autotp_size is not "
                                   "supported yet: the pipeline builds its own (pipe, data) mesh")

@@ -2,14 +2,16 @@
 `PipelineModule`, with ZeRO over the data-parallel group (DeepSpeed's `PipelineEngine.train_batch`).
 
 One call of `train_batch(data_iter)` walks this rank's action list of the configured schedule
-(`"pipeline": {"schedule": ...}`: 1F1B, DeepSpeed's `TrainSchedule`, by default; GPipe; ZB-H1). One executor
-runs them all, keyed by (micro-batch, model stage):
+(`"pipeline": {"schedule": ...}`: 1F1B, DeepSpeed's `TrainSchedule`, by default; GPipe; ZB-H1; interleaved
+1F1B and ZB-V on a module with several chunks per rank). One executor runs them all, keyed by (micro-batch,
+model stage); `eval_batch` runs the forwards of the same schedule:
 
 * `LoadMicroBatch` pulls `(inputs, labels)` from the iterator: inputs on the first model stage, labels on the
   last (DeepSpeed's); all micro-batches of the batch are read before any message, so a short iterator fails
   on the stages that read it instead of leaving their neighbours waiting.
-* `Forward` runs the stage (the last stage also `loss_fn(output, labels)`, scaled by 1 / micro_batches and the
-  loss scale); with a split schedule it runs as segments (`PipelineModule.forward_segments`).
+* `Forward` runs the model stage (the last also `loss_fn(output, labels)`, scaled by 1 / micro_batches and the
+  loss scale); with a split schedule it runs as segments (`PipelineModule.forward_segments`); the input of a
+  model stage whose predecessor is on the same rank is that one's output, detached (no message).
 * activations (tensors or tuples) and their gradients move with point-to-point messages over the mesh's "pipe"
   group (`pipe.p2p.ActivationLink`: sends asynchronous, receives blocking, shapes exchanged once).
 * `Backward` is the fused backward; `BackwardInput` / `BackwardWeight` its two halves (`pipe.backward_split`).
@@ -21,8 +23,7 @@ runs them all, keyed by (micro-batch, model stage):
   parameters are disjoint: squares summed over the data group, then the pipe group), clip, step.
 
 Layers tied across stages (`TiedLayerSpec`) start equal and have their gradients summed over the stages
-holding them after the data-parallel reduction (`runtime.pipe_ties`). Not yet: fp16, several model chunks per rank (interleaved 1F1B, ZB-V, DualPipeV):
-`zerospeed.initialize` refuses them with the reason.
+holding them after the data-parallel reduction (`runtime.pipe_ties`).
 """
 from __future__ import annotations
 
@@ -103,14 +104,14 @@ class PipelineEngine(ZeroSpeedEngine):
         self.forward()
 
     # -- one batch ----------------------------------------------------------------------------------
-    def _read_batch(self, it) -> list:
-        """The batch's micro-batches, read up front on the stages that load data (else [])."""
+    def _read_batch(self, it, m: int, call: str = "train_batch") -> list:
+        """The batch's `m` micro-batches, read up front on the stages that load data (else [])."""
         if not (self.is_first_stage() or self.is_last_stage()):
             return []
         if it is None:
-            raise ValueError("train_batch() needs a data iterator on the first and last stage: pass "
-                             "train_batch(data_iter) or call engine.set_dataiterator(...)")
-        fetched, m = [], self.micro_batches
+            raise ValueError(f"{call}() needs a data iterator on the first and last stage: pass "
+                             f"{call}(data_iter) or call engine.set_dataiterator(...)")
+        fetched = []
         for i in range(m):
             try:
                 fetched.append(next(it))
@@ -124,11 +125,51 @@ class PipelineEngine(ZeroSpeedEngine):
         the world. Returns the mean loss over the micro-batches and data-parallel ranks, the same 0-d tensor
         on every rank. Raises ValueError without a data iterator on the first or last stage, RuntimeError
         when it runs dry mid-batch (naming the micro-batch)."""
-        fetched = self._read_batch(data_iter if data_iter is not None else self.data_iterator)
+        fetched = self._read_batch(data_iter if data_iter is not None else self.data_iterator, self.micro_batches)
         self.module.train()
-        inputs, outputs, targets, grads, pending, labels, losses = {}, {}, {}, {}, {}, {}, []
-        last, m, link = self._last_model_stage, self.micro_batches, self._link
-        for i, a in enumerate(self._actions):
+        losses, _ = self._execute(self._actions, fetched, self.micro_batches, train=True)
+        return self._batch_loss([loss.float() for loss in losses])
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+        """Forward `num_micro_batches` (default `micro_batches`) micro-batches through every stage under
+        `module.eval()` and `torch.no_grad()` (DeepSpeed's `PipelineEngine.eval_batch`, same arguments). On the
+        last stage each micro-batch gives `loss_fn(output, labels)` (or the output itself without a loss_fn or
+        with compute_loss=False); reduce_output="avg" averages them over the micro-batches and the data-parallel
+        ranks, None returns the list. With bcast_loss (and an averaged 0-d result) every stage returns that
+        value, else the other stages return None. return_logits: also return the last micro-batch's output on
+        the last stage (None elsewhere), as `(result, logits)`. Collective over the world. Raises ValueError
+        for another reduce_output, or a micro-batch count the schedule does not take."""
+        if reduce_output is not None and reduce_output.lower() != "avg":
+            raise ValueError(f"reduce_output={reduce_output!r}: only 'avg' or None are supported (as in DeepSpeed)")
+        m = self.micro_batches if num_micro_batches is None else num_micro_batches
+        plan = build_schedule(self.schedule_name, self.num_stages, m, chunks=self.module.chunks,
+                              layout=self.module.chunk_layout)[self.stage_id]
+        forwards = [a for a in plan if isinstance(a, (LoadMicroBatch, RecvActivation, Forward, SendActivation))]
+        fetched = self._read_batch(data_iter, m, "eval_batch")
+        self.module.eval()
+        with torch.no_grad():
+            results, logits = self._execute(forwards, fetched, m, train=False, compute_loss=compute_loss)
+        out = None
+        if self.is_last_stage():
+            out = results
+            if reduce_output is not None:
+                out = sum(results) / m
+                if self.dp_world_size > 1:
+                    all_reduce(out, group=self.group, logger=self.comms_logger)
+                    out /= self.dp_world_size
+        if compute_loss and bcast_loss and reduce_output is not None:
+            t = out.float().reshape(()) if out is not None else torch.zeros((), dtype=torch.float32, device=self.device)
+            broadcast(t, self._rank_of[self._last_model_stage], group=self.pipe_group, logger=self.comms_logger)
+            out = t
+        return (out, logits) if return_logits else out
+
+    def _execute(self, actions: list, fetched: list, m: int, *, train: bool, compute_loss: bool = True):
+        """Run `actions` (this rank's part of a schedule) on the micro-batches `fetched`. Returns the last model
+        stage's per-micro-batch losses (detached; the outputs when not computing a loss) and the last output."""
+        inputs, outputs, targets, grads, pending, labels, results = {}, {}, {}, {}, {}, {}, []
+        last, link, split, last_out = self._last_model_stage, self._link, self._split and train, None
+        for i, a in enumerate(actions):
             key = (getattr(a, "microbatch", None), getattr(a, "stage", None))
             if isinstance(a, LoadMicroBatch):
                 batch = fetched[a.microbatch]
@@ -143,20 +184,26 @@ class PipelineEngine(ZeroSpeedEngine):
                 if key not in inputs:  # the previous model stage is on this rank: its output, detached
                     inputs[key] = detach_input(outputs.pop((a.microbatch, a.stage - 1)))
                 run = self.module
-                out, segments = run.forward_segments(inputs[key], a.stage) if self._split else \
+                out, segments = run.forward_segments(inputs[key], a.stage) if split else \
                     (run.forward_chunk(a.stage, inputs[key]), None)
                 target = out
                 if a.stage == last:
-                    loss = run.loss_fn(out, labels.pop(a.microbatch)) if run.loss_fn is not None else out
-                    losses.append(loss.detach().float())
-                    target = self.loss_scaler.scale(loss / m)
-                    if segments:
-                        segments[-1].output = target
-                targets[key] = segments if self._split else target
+                    y = labels.pop(a.microbatch)
+                    loss = run.loss_fn(out, y) if run.loss_fn is not None and compute_loss else out
+                    results.append(loss.detach())
+                    last_out = out
+                    if train:
+                        target = self.loss_scaler.scale(loss / m)
+                        if segments:
+                            segments[-1].output = target
+                if train:
+                    targets[key] = segments if split else target
+                else:
+                    inputs.pop(key)  # no backward will need it
                 if a.stage != last:
                     outputs[key] = out  # sent on, and the shape of the gradient to receive
             elif isinstance(a, SendActivation):
-                link.send_activation(outputs[key], self._rank_of[a.peer])
+                link.send_activation(outputs[key] if train else outputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, RecvGrad):
                 grads[key] = link.recv_grads(outputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, Backward):
@@ -183,7 +230,8 @@ class PipelineEngine(ZeroSpeedEngine):
                     self._ties.reduce_grads(self.strategy, self.group)
             elif isinstance(a, OptimizerStep):
                 self._optimizer_step()
-        return self._batch_loss(losses)
+        link.wait_sends()
+        return results, last_out
 
     def _input_grads_done(self, key, inputs: dict, grads: dict) -> None:
         """After a backward produced the gradient of model stage key[1]'s input: the first stage drops the
