@@ -13,7 +13,7 @@ from torch import nn
 
 import zerospeed
 from zerospeed.config import ConfigError
-from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from zerospeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from zerospeed.testing.parity import max_rel_diff
 from zerospeed.testing.spawn import run_distributed
 
@@ -72,7 +72,8 @@ def _rank_batches(x, y, dp, dp_rank):
     return out
 
 
-LAYOUTS = {"interleaved_1f1b": {"chunks": 2}, "zb_v": {"chunks": 2, "chunk_layout": "v"}}  # the others: one chunk
+LAYOUTS = {"interleaved_1f1b": {"chunks": 2}, "zb_v": {"chunks": 2, "chunk_layout": "v"},
+           "dualpipev": {"chunks": 2, "chunk_layout": "v"}}  # the others: one chunk
 
 
 def pipe_runs(rank, world, cases, kind="plain"):
@@ -118,7 +119,7 @@ def reference(opt, dp, kind="plain"):
     return losses, norms, {n: p.detach() for n, p in module.named_parameters()}
 
 
-SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v")
+SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
 CASES = [(schedule, stage, opt) for schedule in SCHEDULES for stage in (0, 1, 2) for opt in OPTIMIZERS]
 
 
@@ -144,7 +145,7 @@ def _check_weights(state, ref_state, where):
         assert err < 1e-5, (*where, name, err)
 
 
-TIED_CASES = [(schedule, stage, opt) for schedule in ("1f1b", "zb_h1", "interleaved_1f1b", "zb_v")
+TIED_CASES = [(schedule, stage, opt) for schedule in ("1f1b", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
               for stage in (0, 1, 2) for opt in OPTIMIZERS]
 
 
@@ -163,7 +164,7 @@ def test_pipeline_tied_layers_match_one_process(world):
             _check_weights(r["state"], ref_state, (world, schedule, stage, opt, rank))
         # the tie spans two ranks, except under ZB-V, where rank 0 holds the first and the last stage alike
         holders = [rank for rank, res in enumerate(results) if "tied_modules.embed.weight" in res[(schedule, stage, opt)]["state"]]
-        assert len(holders) == (world // 2 if schedule == "zb_v" else world), (schedule, holders)
+        assert len(holders) == (world // 2 if schedule in ("zb_v", "dualpipev") else world), (schedule, holders)
 
 
 TUPLE_CASES = [(schedule, 1, "adamw-clip") for schedule in SCHEDULES]
@@ -198,6 +199,34 @@ def test_pipeline_activation_checkpointing_matches_one_process():
             _check_weights(r["state"], ref_state, (case, rank))
 
 
+def dualpipev_module_run(rank, world):
+    module = DualPipeVModule(_layers("tied"), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True,
+                             partition_method="uniform")
+    engine, *_ = zerospeed.initialize(model=module, config={  # no pipeline block: DeepSpeed's DualPipeVEngine
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+        "optimizer": OPTIMIZERS["adamw-clip"][0], "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}})
+    dp = engine.dp_world_size
+    it = iter(_rank_batches(*_data(dp, "tied"), dp, dist.get_rank(engine.group)))
+    losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
+    return {"schedule": engine.schedule_name, "owners": [module.stage_owner(i) for i in range(6)], "losses": losses,
+            "first_last": (engine.is_first_stage(), engine.is_last_stage()),
+            "state": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dualpipev_module_runs_dualpipev_by_default(world):
+    """DeepSpeed's DualPipeVModule: rank r holds model stages r and 3 - r (stage_owner gives the rank, as
+    DeepSpeed's), rank 0 the first and last (the tied embedding/head is one module there), and without a
+    pipeline block it runs DualPipeV; losses and weights equal one process."""
+    ref_losses, _, ref_state = reference("adamw-clip", world // 2, "tied")
+    for rank, r in enumerate(run_distributed(dualpipev_module_run, world, timeout=300)):
+        assert r["schedule"] == "dualpipev"
+        assert r["owners"] == [0, 0, 1, 1, 1, 0]  # 6 layers in 4 stages of [2, 2, 1, 1], on ranks 0, 1, 1, 0
+        assert r["first_last"] == ((True, True) if rank // (world // 2) == 0 else (False, False))
+        assert max_rel_diff(r["losses"], ref_losses) < 1e-6, (rank, r["losses"], ref_losses)
+        _check_weights(r["state"], ref_state, (world, rank))
+
+
 def misuse(rank, world):
     module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
     engine, *_ = zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": MICRO,
@@ -215,6 +244,9 @@ def misuse(rank, world):
     with pytest.raises(ConfigError, match="needs num_microbatches a multiple of num_stages"):
         zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), chunks=2),
                              config={**base, "gradient_accumulation_steps": 3, "pipeline": {"schedule": "interleaved_1f1b"}})
+    with pytest.raises(ConfigError, match="DualPipeV needs at least 2 x num_stages = 4 micro-batches, got 3"):
+        zerospeed.initialize(model=DualPipeVModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
+                             config={**base, "gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="not a zerospeed.pipe.PipelineModule"):
         zerospeed.initialize(model=nn.Linear(2, 2), config={**base, "pipeline": {"schedule": "gpipe"}})
     with pytest.raises(ConfigError, match="pipeline.stages=4 but the PipelineModule has num_stages=2"):

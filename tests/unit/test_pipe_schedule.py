@@ -51,7 +51,7 @@ def test_one_f_one_b_matches_deepspeed_train_schedule(p, m):
 @pytest.mark.parametrize("p,m", SIZES)
 def test_every_schedule_is_valid(p, m):
     for name, build in candidate_schedules(p, m, chunks=2).items():
-        validate(build(), p, m, chunks=2 if name in ("interleaved_1f1b", "zb_v") else 1)
+        validate(build(), p, m, chunks=2 if name in ("interleaved_1f1b", "zb_v", "dualpipev") else 1)
     for v in (2, 3):
         if m % p == 0:
             validate(interleaved_1f1b(p, m, v), p, m, chunks=v)
@@ -380,3 +380,35 @@ def test_build_schedule_matches_the_generators_and_checks_the_module_layout():
         build_schedule("zb_h1", 2, 4, chunks=2)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         build_schedule("dualpipe", 2, 4)
+
+
+DUALPIPE_SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (2 * p, 2 * p + 1, 3 * p, 12)]
+
+
+@pytest.mark.parametrize("p,m", DUALPIPE_SIZES)
+def test_dualpipev_matches_deepspeed_with_the_split_collapsed(p, m):
+    """DualPipeV: valid; every weight-gradient pass follows its input-gradient pass; with each BackwardInput read
+    as a fused backward (and the BackwardWeights dropped) the per-rank compute order is DeepSpeed 0.19.8's
+    DualPipeVSchedule ((micro-batch, phase) of its ForwardPass / BackwardPass, buffer = phase x m + mb)."""
+    from zerospeed.pipe.schedule import dualpipev
+
+    ours = dualpipev(p, m)
+    validate(ours, p, m, chunks=2)
+    for r in range(p):
+        comp = _compute(ours, r)
+        assert sum(k == "BackwardWeight" for k, _, _ in comp) == sum(k == "BackwardInput" for k, _, _ in comp)
+    ds = pytest.importorskip("deepspeed.runtime.pipe.schedule")
+    for r in range(p):
+        sched = ds.DualPipeVSchedule(micro_batches=m, stages=p, stage_id=r)
+        theirs = [("F" if isinstance(c, ds.ForwardPass) else "B", c.buffer_id % m, c.buffer_id // m)
+                  for cmds in sched.steps() for c in cmds if isinstance(c, (ds.ForwardPass, ds.BackwardPass))]
+        mine = [("F" if k == "Forward" else "B", mb, 0 if stage == r else 1)
+                for k, mb, stage in _compute(ours, r) if k != "BackwardWeight"]
+        assert mine == theirs, (p, m, r)
+
+
+def test_dualpipev_needs_two_micro_batches_per_stage():
+    from zerospeed.pipe.schedule import dualpipev
+
+    with pytest.raises(ValueError, match="at least 2 x num_stages = 6 micro-batches, got 5"):
+        dualpipev(3, 5)

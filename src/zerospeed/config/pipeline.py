@@ -11,7 +11,9 @@ way and checks ``stages``, when it is a number, against the module's ``num_stage
 ``"zb_h1"`` (zero bubble: the backward split into input- and weight-gradient passes, Qi et al. 2024 §3.1) on
 a module with one chunk per rank; ``"interleaved_1f1b"`` (Narayanan et al. 2021 §2.2) on
 ``PipelineModule(..., chunks=2 or more)``; ``"zb_v"`` (Qi et al. 2024 §6) on
-``PipelineModule(..., chunks=2, chunk_layout="v")``. `zerospeed.initialize` checks the module fits.
+``PipelineModule(..., chunks=2, chunk_layout="v")`` (or a ``DualPipeVModule``); ``"dualpipev"`` (DeepSeek-V3's
+DualPipeV with its zero-bubble weight-gradient deferral) on the same V layout, the default for a
+``DualPipeVModule`` as DeepSpeed's DualPipeVEngine. `zerospeed.initialize` checks the module fits.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ._base import ConfigModel
 __all__ = ["PipelineConfig", "PIPELINE_SCHEDULES"]
 
 #: the schedules the pipeline engine runs (names of `zerospeed.pipe.schedule.candidate_schedules`)
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
 
 
 class PipelineConfig(ConfigModel):
@@ -42,5 +44,6 @@ class PipelineConfig(ConfigModel):
     """Split activations sent between stages over the tensor-parallel group (no effect without one)."""
     grad_partitioned: bool = True
     """Split activation gradients over the tensor-parallel group (no effect without one)."""
-    schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v"] = "1f1b"
-    """zerospeed extension: the pipeline schedule (see the module docstring)."""
+    schedule: Literal["1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev"] = "1f1b"
+    """zerospeed extension: the pipeline schedule (see the module docstring); unset with a DualPipeVModule:
+    "dualpipev"."""

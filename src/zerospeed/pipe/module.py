@@ -36,7 +36,7 @@ from .partition import (PARTITION_METHODS, PipelineError, check_partition, chunk
 
 from .spec import LayerSpec, TiedLayerSpec, _layer_name, _recursive_getattr, _trainable_count, set_random_seed
 
-__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "PipelineError", "set_random_seed"]
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "DualPipeVModule", "PipelineError", "set_random_seed"]
 
 
 def _takes_use_reentrant(func: Callable) -> bool:
@@ -284,7 +284,7 @@ class PipelineModule(nn.Module):
         out: dict[str, set[int]] = {}
         for idx, layer in enumerate(self._layer_specs):
             if isinstance(layer, TiedLayerSpec):
-                out.setdefault(layer.key, set()).add(self.stage_owner(idx))
+                out.setdefault(layer.key, set()).add(stage_owner(self.parts, idx))  # model stages
         return {key: sorted(stages) for key, stages in sorted(out.items())}
 
     def tied_stages(self, key: str) -> list[int]:
@@ -417,3 +417,29 @@ class PipelineModule(nn.Module):
     def get_additional_losses(self) -> dict[str, torch.Tensor] | None:
         """Model-specific extra losses to report ({name: value}) or None (DeepSpeed's hook)."""
         return None
+
+
+class DualPipeVModule(PipelineModule):
+    """DeepSpeed 0.19.8's `deepspeed.pipe.DualPipeVModule`: a PipelineModule cut into 2 x num_stages model stages,
+    rank r holding stage r (phase 0) and stage 2 x num_stages - 1 - r (phase 1), so rank 0 holds the first and the
+    last stage and a layer tied between them (embedding / head) is one module there, with no gradient exchange.
+    Same arguments as PipelineModule (it is `PipelineModule(..., chunks=2, chunk_layout="v")`); `stage_owner`
+    gives the pipeline rank, as DeepSpeed's. `zerospeed.initialize` runs it with the "dualpipev" schedule
+    (unless the config's `pipeline.schedule` names another V schedule, "zb_v"), which needs
+    gradient_accumulation_steps >= 2 x num_stages.
+    """
+
+    def __init__(self, layers: Iterable[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
+                 loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None,
+                 base_seed: int = 1234, partition_method: str | list[int] = "parameters",
+                 activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Callable = torch.utils.checkpoint.checkpoint,
+                 checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False, *,
+                 stage_id: int | None = None):
+        super().__init__(layers, num_stages, topology, loss_fn, seed_layers, seed_fn, base_seed, partition_method,
+                         activation_checkpoint_interval, activation_checkpoint_func, checkpointable_layers,
+                         dynamic_shape, stage_id=stage_id, chunks=2, chunk_layout="v")
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank holding global layer `layer_idx` (DeepSpeed's DualPipeVModule.stage_owner)."""
+        return self.stage_rank(super().stage_owner(layer_idx))

@@ -400,6 +400,80 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     return with_communication(orders, 2 * p)
 
 
+def dualpipev(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3 technical report §3.2.1; the "cut-in-half" DualPipe of deepseek-ai/DualPipe's
+    `dualpipev.py`), two chunks per rank in a V: rank ``r`` holds model stages ``r`` (phase 0) and
+    ``2p - 1 - r`` (phase 1), so micro-batches go out through phase 0 and come back through phase 1 to rank 0,
+    which loads the data and computes the loss.
+
+    The reference's eight steps (nF0, nF0F1, nB1W1F1, the main nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW), with its
+    zero-bubble backwards: in steps 3 and 7 and the second half of step 6 the backward is the input-gradient
+    pass alone, its weight-gradient pass queued and run at the next "W" (FIFO), as the reference's
+    `WeightGradStore`; elsewhere the backward is fused. The forward/backward pairs the reference overlaps on
+    two streams run one after the other here. With the split collapsed (each ``BackwardInput`` a
+    ``Backward``, no ``BackwardWeight``) this is the compute order of DeepSpeed 0.19.8's
+    ``DualPipeVSchedule``, which keeps weight gradients inside the backward (tests compare them). Raises
+    ValueError if ``num_microbatches < 2 * num_stages`` (DeepSpeed's and the reference's requirement).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least 2 x num_stages = {2 * p} micro-batches, got {m}: raise "
+                         f"gradient_accumulation_steps to {2 * p} or more, or use zb_v")
+    orders: dict[int, list[Action]] = {}
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        fwd, bwd, queue, order = [0, 0], [0, 0], [], []
+
+        def f(phase: int) -> None:
+            order.append(Forward(fwd[phase], stage[phase]))
+            fwd[phase] += 1
+
+        def b(phase: int, zb: bool = False) -> None:
+            mb = bwd[phase]
+            bwd[phase] += 1
+            order.append((BackwardInput if zb else Backward)(mb, stage[phase]))
+            if zb:
+                queue.append(BackwardWeight(mb, stage[phase]))
+
+        def w() -> None:
+            order.append(queue.pop(0))
+
+        for _ in range((p - r - 1) * 2):             # step 1: nF0
+            f(0)
+        for _ in range(r + 1):                         # step 2: nF0F1
+            f(0)
+            f(1)
+        for _ in range(p - r - 1):                     # step 3: nB1W1F1
+            b(1, zb=True)
+            w()
+            f(1)
+        for _ in range(m - 2 * p + r + 1):             # step 4 (main): nF0B1F1B0
+            f(0)
+            b(1)
+            f(1)
+            b(0)
+        for _ in range(p - r - 1):                     # step 5: nB1F1B0
+            b(1)
+            f(1)
+            b(0)
+        zb, half = False, (r + 1) // 2                 # step 6: nB1B0, the second half zero-bubble
+        for i in range(r + 1):
+            zb = zb or (i == half and r % 2 == 1)
+            b(1, zb)
+            zb = zb or (i == half and r % 2 == 0)
+            b(0, zb)
+        for _ in range(p - r - 1):                     # step 7: nWB0
+            w()
+            b(0, zb=True)
+        for _ in range(r + 1):                         # step 8: nW
+            w()
+        if queue:  # the reference asserts the same
+            raise AssertionError(f"dualpipev: rank {r} left {len(queue)} weight-gradient passes unscheduled")
+        orders[r] = order
+    return with_communication(orders, 2 * p)
+
+
 def candidate_schedules(num_stages: int, num_microbatches: int, *,
                         chunks: int = 2) -> dict[str, Callable[[], Schedule]]:
     """The implemented schedules that apply to these sizes, by name, as zero-argument builders.
@@ -416,12 +490,15 @@ def candidate_schedules(num_stages: int, num_microbatches: int, *,
     if num_stages > 1 and chunks > 1 and num_microbatches % num_stages == 0:
         out["interleaved_1f1b"] = lambda: interleaved_1f1b(num_stages, num_microbatches, chunks)
     out["zb_v"] = lambda: zb_v(num_stages, num_microbatches)
+    if num_microbatches >= 2 * num_stages:
+        out["dualpipev"] = lambda: dualpipev(num_stages, num_microbatches)
     return out
 
 
 #: schedule name -> the model-stage layout it runs on: "one" chunk per rank, "interleaved" (chunks >= 2,
 #: stage c * p + r on rank r) or "v" (two chunks, stages r and 2p - 1 - r); see partition.chunk_stages.
-SCHEDULE_LAYOUTS = {"1f1b": "one", "gpipe": "one", "zb_h1": "one", "interleaved_1f1b": "interleaved", "zb_v": "v"}
+SCHEDULE_LAYOUTS = {"1f1b": "one", "gpipe": "one", "zb_h1": "one", "interleaved_1f1b": "interleaved", "zb_v": "v",
+                    "dualpipev": "v"}
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, *, chunks: int = 1,
@@ -445,4 +522,5 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, *, chunks:
                          f"schedule for its layout ({', '.join(n for n, w in SCHEDULE_LAYOUTS.items() if w == have)})")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_stages, num_microbatches, chunks)
-    return {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zb_h1, "zb_v": zb_v}[name](num_stages, num_microbatches)
+    return {"1f1b": one_f_one_b, "gpipe": gpipe, "zb_h1": zb_h1, "zb_v": zb_v,
+            "dualpipev": dualpipev}[name](num_stages, num_microbatches)

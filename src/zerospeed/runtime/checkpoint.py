@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -47,10 +48,17 @@ class CheckpointTagMismatchError(CheckpointError):
 
 
 # -- collectives ----------------------------------------------------------------------------------------
+def _translation(engine):
+    """How this rank's parameters map onto the checkpoint's full, global tensors (`checkpoint_tp.TPTranslation`
+    under tensor parallelism, `checkpoint_pipe.PipeTranslation` in a pipeline), or None (they are the same)."""
+    return getattr(engine, "checkpoint_translation", None)
+
+
 def _group(engine):
     """The ranks that write and read a checkpoint together: the data-parallel group, or the whole world
-    under tensor parallelism (every tensor-parallel rank writes its own shards' fragments)."""
-    return None if getattr(engine, "tp_translation", None) is not None else engine.group
+    with a translation (every tensor-parallel rank writes its own shards' fragments, every pipeline stage its
+    own layers')."""
+    return None if _translation(engine) is not None else engine.group
 
 
 def _all_gather_object(obj: Any, group) -> list[Any]:
@@ -117,10 +125,22 @@ def module_extras(module, *, exclude_frozen: bool = False) -> list[tuple[str, to
 
 
 # -- save ---------------------------------------------------------------------------------------------------
-def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_frozen: bool):
+def _extras_writers(engine, exclude_frozen: bool, group) -> dict[str, int]:
+    """{name: the rank that writes it} for the buffers and frozen parameters (`module_extras`): the holders of
+    each (every rank, unless pipeline stages hold different ones) take turns over the sorted names, so the
+    replicated tensors spread over the files. Collective over `group`."""
+    mine = sorted(n for n, _, _ in module_extras(engine.module, exclude_frozen=exclude_frozen))
+    holders: dict[str, list[int]] = {}
+    for r, names in enumerate(_all_gather_object(mine, group)):
+        for n in names:
+            holders.setdefault(n, []).append(r)
+    return {n: holders[n][i % len(holders[n])] for i, n in enumerate(sorted(holders))}
+
+
+def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_frozen: bool, writers: dict):
     """Write this rank's file; returns (its index metadata, engine_state on rank 0 else None)."""
     entries, frags, scalars, elem, scal = [], [], [], {}, {}
-    for f in engine.strategy.owned_fragments(engine.module, getattr(engine, "tp_translation", None)):
+    for f in engine.strategy.owned_fragments(engine.module, _translation(engine)):
         n = f.end - f.start
         entries.append((fragment_key(f.name, "master", f.start), f.master.dtype, (n,), lambda t=f.master: t))
         for k, v in f.states.items():
@@ -132,9 +152,11 @@ def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_
         frags.append((f.name, f.start, f.end))
         if f.scalars:
             scalars.append(f.name)
-    for i, (name, t, _) in enumerate(module_extras(engine.module, exclude_frozen=exclude_frozen)):
-        if i % world == rank:  # spread the replicated tensors over the ranks' files
+    extras = []
+    for name, t, kind in module_extras(engine.module, exclude_frozen=exclude_frozen):
+        if writers[name] == rank:
             entries.append((fragment_key(name, "value", 0), t.dtype, tuple(t.shape), lambda t=t: t))
+            extras.append((name, list(t.shape), dtype_code(t.dtype), kind))
     rng, meta = capture_rng()
     entries += [(k, v.dtype, tuple(v.shape), lambda t=v: t) for k, v in rng.items()]
     state = None
@@ -143,16 +165,22 @@ def _write_rank(engine, tmp: Path, rank: int, world: int, client_state, exclude_
         state = engine_state(engine, client_state, tensors)
         entries += [(k, v.dtype, tuple(v.shape), lambda t=v: t) for k, v in tensors.items()]
     info = write_safetensors(tmp / rank_file(rank), entries, metadata=meta)
+    params = [(lp.name, list(lp.shape), dtype_code(lp.dtype), list(lp.aliases))
+              for lp in engine.strategy.logical_params(engine.module, _translation(engine))]
     return {"file": rank_file(rank), "bytes": info["bytes"], "crc32": info["crc32"], "fragments": frags,
-            "scalars": scalars, "elementwise_states": elem, "scalar_states": scal}, state
+            "scalars": scalars, "elementwise_states": elem, "scalar_states": scal, "params": params,
+            "extras": extras}, state
 
 
 def _build_index(engine, tag: str, metas: list[dict], exclude_frozen: bool) -> dict[str, Any]:
+    """The index from every rank's metadata: the union of their parameters (pipeline stages hold different
+    ones), each tiled by the ranks' fragments, and the extras where their writers put them."""
     world = len(metas)
     tensors: dict[str, dict[str, Any]] = {}
-    for lp in engine.strategy.logical_params(engine.module, getattr(engine, "tp_translation", None)):
-        tensors[lp.name] = {"kind": "param", "shape": list(lp.shape), "dtype": dtype_code(lp.dtype),
-                            "aliases": list(lp.aliases), "fragments": [], "scalar_rank": None}
+    for meta in metas:
+        for name, shape, dtype, aliases in meta["params"]:
+            tensors.setdefault(name, {"kind": "param", "shape": shape, "dtype": dtype, "aliases": aliases,
+                                      "fragments": [], "scalar_rank": None})
     for r, meta in enumerate(metas):
         for name, a, b in meta["fragments"]:
             tensors[name]["fragments"].append([r, a, b])
@@ -171,9 +199,10 @@ def _build_index(engine, tag: str, metas: list[dict], exclude_frozen: bool) -> d
         if pos != numel:  # a strategy bug, never a user error: refuse to commit a checkpoint with holes
             raise CheckpointError(f"internal error: the ranks' fragments of {name!r} do not tile [0, {numel}): "
                                   f"{entry['fragments']}")
-    for i, (name, t, kind) in enumerate(module_extras(engine.module, exclude_frozen=exclude_frozen)):
-        tensors[name] = {"kind": kind, "shape": list(t.shape), "dtype": dtype_code(t.dtype), "aliases": [],
-                         "fragments": [[i % world, 0, t.numel()]], "scalar_rank": None}
+    for r, meta in enumerate(metas):
+        for name, shape, dtype, kind in meta["extras"]:
+            tensors[name] = {"kind": kind, "shape": shape, "dtype": dtype, "aliases": [],
+                             "fragments": [[r, 0, math.prod(shape)]], "scalar_rank": None}
     elem = {k: v for m in metas for k, v in m["elementwise_states"].items()}
     scal = {k: v for m in metas for k, v in m["scalar_states"].items()}
     opt = engine.optimizer
@@ -224,10 +253,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     _check_tag_name(tag)
     save_dir = Path(save_dir)
     tmp = save_dir / _all_gather_object(f"{tag}{_TMP}{secrets.token_hex(4)}", group)[0]
+    writers = _extras_writers(engine, exclude_frozen_parameters, group)
     own, meta, state = None, None, None
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        meta, state = _write_rank(engine, tmp, rank, world, client_state, exclude_frozen_parameters)
+        meta, state = _write_rank(engine, tmp, rank, world, client_state, exclude_frozen_parameters, writers)
     except Exception as exc:  # noqa: BLE001 - gathered and raised on every rank below
         own = exc
     gathered = _all_gather_object((meta, None if own is None else (type(own).__name__, str(own))), group)
@@ -279,7 +309,7 @@ def _match_model(engine, index: dict[str, Any], strict: bool) -> dict[str, str]:
     by_name = {n: n for n in stored}
     by_name.update({a: n for n, e in stored.items() for a in e.get("aliases", [])})
     current = [(lp.name, (lp.name, *lp.aliases), lp.shape, "param")
-               for lp in engine.strategy.logical_params(engine.module, getattr(engine, "tp_translation", None))]
+               for lp in engine.strategy.logical_params(engine.module, _translation(engine))]
     current += [(n, (n,), tuple(t.shape), kind) for n, t, kind in module_extras(engine.module)]
     lookup, missing, shapes, used = {}, [], [], set()
     for name, names, shape, kind in current:
@@ -293,7 +323,8 @@ def _match_model(engine, index: dict[str, Any], strict: bool) -> dict[str, str]:
             shapes.append(f"{name}: checkpoint {stored[hit]['shape']} vs model {list(shape)}")
             continue
         lookup[name] = hit
-    unexpected = [f"{n} {e['shape']}" for n, e in stored.items() if n not in used]
+    owns = getattr(_translation(engine), "owns", lambda name: True)  # a pipeline stage: only its own layers
+    unexpected = [f"{n} {e['shape']}" for n, e in stored.items() if n not in used and owns(n)]
 
     def listing(title, items):
         more = f", ... and {len(items) - 20} more" if len(items) > 20 else ""
@@ -329,7 +360,7 @@ def _load_local(engine, tag_dir: Path, *, strict: bool, optimizer_states: bool, 
     with CheckpointReader(tag_dir, index) as reader:
         model_reader = _ModelReader(reader, lookup)
         engine.strategy.load_owned_fragments(engine.module, model_reader, optimizer_states=optimizer_states,
-                                             translate=getattr(engine, "tp_translation", None))
+                                             translate=_translation(engine))
         with torch.no_grad():
             for name, t, _ in module_extras(engine.module):
                 if name in lookup:

@@ -75,6 +75,9 @@ class ZeroSpeedEngine(nn.Module):
         self.mesh = self.mpu = mesh
         self.mp_world_size = mesh.size("model") if mesh is not None else 1
         self.tp_translation = None  # runtime.checkpoint_tp.TPTranslation under AutoTP (set by initialize)
+        # how this rank's parameters map onto a checkpoint's full tensors: the TPTranslation, a pipeline's
+        # runtime.checkpoint_pipe.PipeTranslation, or None (set by initialize)
+        self.checkpoint_translation = None
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -276,7 +279,7 @@ class ZeroSpeedEngine(nn.Module):
         different shards, but loadable only at the same model-parallel size), and the outcome is agreed
         over the whole world: CheckpointError on every rank if any group failed. Loading a directory
         saved without that sub-directory raises CheckpointError naming the sizes."""
-        if self.mp_world_size == 1 or self.tp_translation is not None:  # AutoTP: full tensors, one directory
+        if self.mp_world_size == 1 or self.checkpoint_translation is not None:  # AutoTP, pipelines: one directory
             return run(directory)
         from pathlib import Path
 

@@ -30,6 +30,7 @@ from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
+from .checkpoint_pipe import PipeTranslation
 from .pipe_engine import PipelineEngine
 from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
@@ -218,7 +219,7 @@ def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=N
 
     if pipeline:  # every stage holds its own layers: squares summed over the pipe group, tied weights counted once
         return ModelParallelGrads(group=mesh.group("pipe"), size=mesh.size("pipe"), replicated=frozenset(),
-                                  excluded=ties.excluded_from_norm() if ties else frozenset())
+                                  excluded=ties.owned_elsewhere() if ties else frozenset())
     if mesh.size("tensor") == 1:
         return None
 
@@ -237,6 +238,16 @@ def _is_pipeline(model) -> bool:
     return isinstance(model, PipelineModule)
 
 
+def _pipeline_schedule(cfg: ZeroSpeedConfig, model) -> str:
+    """The config's pipeline.schedule; unset: "dualpipev" for a DualPipeVModule (DeepSpeed runs it with its
+    DualPipeVEngine), else "1f1b"."""
+    from ..pipe import DualPipeVModule
+
+    if "schedule" not in cfg.pipeline.model_fields_set and isinstance(model, DualPipeVModule):
+        return "dualpipev"
+    return cfg.pipeline.schedule
+
+
 def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
     """What this version of the pipeline engine runs; NotImplementedError naming anything else."""
     stage = cfg.zero_optimization.stage
@@ -247,8 +258,8 @@ def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
         raise NotImplementedError("a PipelineModule with initialize(mpu=...) or tensor_parallel.autotp_size is not "
                                   "supported yet: the pipeline builds its own (pipe, data) mesh")
     try:
-        build_schedule(cfg.pipeline.schedule, model.num_stages, cfg.gradient_accumulation_steps, chunks=model.chunks,
-                       layout=model.chunk_layout)
+        build_schedule(_pipeline_schedule(cfg, model), model.num_stages, cfg.gradient_accumulation_steps,
+                       chunks=model.chunks, layout=model.chunk_layout)
     except ValueError as e:
         raise ConfigError(f"pipeline.schedule: {e}") from None
     stages = cfg.pipeline.stages
@@ -392,7 +403,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
     if pipeline:
-        engine._init_pipeline(mesh.group("pipe"), cfg.pipeline.schedule, ties)
+        engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties)
+        engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
@@ -400,7 +412,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         # checkpoints and save_16bit_model write full tensors, not shards
         from .checkpoint_tp import TPTranslation
 
-        engine.tp_translation = TPTranslation(model, mesh)
+        engine.checkpoint_translation = engine.tp_translation = TPTranslation(model, mesh)
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

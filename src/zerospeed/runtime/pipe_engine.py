@@ -208,7 +208,11 @@ class PipelineEngine(ZeroSpeedEngine):
                 grads[key] = link.recv_grads(outputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, Backward):
                 self._before_weights(i)
-                backward_fused(targets.pop(key), grads.pop(key, None))
+                target, grad = targets.pop(key), grads.pop(key, None)
+                if split:  # a fused backward inside a split schedule (DualPipeV): both passes, at once
+                    backward_weight(backward_input(target, grad)[0])
+                else:
+                    backward_fused(target, grad)
                 self._after_weights(i)
                 self._input_grads_done(key, inputs, grads)
             elif isinstance(a, BackwardInput):

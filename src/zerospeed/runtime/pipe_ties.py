@@ -10,7 +10,8 @@ strategy holds (`ZeroStrategy.step_grad_pieces`): the mean over data ranks and t
 commute, and at stages 1-2 the gradient no longer exists anywhere else. There each data rank holds pieces
 of the weight's gradient, laid out by its own stage's partition, so the pieces are first assembled into the
 whole gradient (one all-reduce over the data group), then summed over the stages, then taken back.
-The global gradient norm counts a tied weight once: on the first stage holding it (`excluded_from_norm`).
+The global gradient norm counts a tied weight once, and checkpoints write it once: on the first stage holding
+it (`owned_elsewhere`).
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ class TiedWeights:
     def __bool__(self) -> bool:
         return bool(self.ties)
 
-    def excluded_from_norm(self) -> frozenset:
-        """id() of the tied weights this stage holds but another stage counts in the gradient norm."""
+    def owned_elsewhere(self) -> frozenset:
+        """id() of the tied weights this stage holds but another stage owns: counts in the gradient norm and
+        writes to checkpoints."""
         return frozenset(id(w) for t in self.ties if not t.counted for w in t.weights)
 
     @torch.no_grad()

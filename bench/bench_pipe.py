@@ -1,0 +1,983 @@
+"""Pipeline parallelism (issue 24): zerospeed's schedules against DeepSpeed's and torch's, in one run.
+
+    python bench/bench_pipe.py                                         # the full table (see below: hours)
+    python bench/bench_pipe.py --models mlp --precisions fp32 --microbatches 8 --repeats 3
+    python bench/bench_pipe.py --quick                                 # a smoke run: tiny shapes, 1 repeat
+    python bench/bench_pipe.py --quick --models mlp --systems reference,zerospeed --schedules 1f1b,zb_v
+    python bench/bench_pipe.py --report bench/results/bench_pipe_<stamp>.json            # re-render
+
+Models (each a list of LayerSpecs, built with `seed_layers=True` and base seed `--seed`, layer i after
+seeding base + i, so every system and partition starts from the same weights; the re-seeding before every
+layer of every forward that seed_layers also does, in zerospeed and DeepSpeed alike, is switched off after
+building (`module.seed_layers = False`; ~0.1 ms a layer here, for dropout only; `--forward-reseed 1` keeps it)):
+
+    mlp  8 MLP layers at hidden 1024, each Linear(1024, 1536) / ReLU / Linear(1536, 1024) as 3 LayerSpecs
+         (24 specs, 25.2M parameters), partition "uniform"; MSE against tanh(roll(x)); `--micro-batch` samples
+         of [1024] per micro-batch. (Read as "8 layers, 25M": single 1024 x 1024 Linears are 8.4M at 8 layers.)
+    gpt  zerospeed.testing.models' GPT blocks (`--gpt-size` small: d 384, 6 heads, seq 256, byte vocabulary,
+         with `--gpt-layers` 8 blocks instead of 6 so 2 and 4 model stages get equal blocks; 14.5M parameters)
+         as LayerSpecs: an embedding layer (token + position), the blocks, a head (final LayerNorm + lm_head,
+         untied: a tie needs TiedLayerSpec, which torch.distributed.pipelining has no counterpart of); GPT-2
+         init; partition "type:GPTBlock" (the blocks balanced, the embedding with the first model stage, the
+         head with the last); cross-entropy; `--gpt-micro-batch` windows of the demo text per micro-batch.
+
+Configurations, each its own torchrun launch (2 ranks = 2 pipeline stages, gloo, OMP_NUM_THREADS=1 and
+torch.set_num_threads(1) per rank), per model x precision x micro-batch count m (`--microbatches`):
+
+    one process            world 1: zerospeed's ordinary engine (ZeRO 0) on the whole stack as one module,
+                           gradient_accumulation_steps m (the reference: loss, speed-up; stage times, below)
+    zerospeed <schedule>   zerospeed.pipe.PipelineModule + "pipeline": {"schedule": 1f1b | gpipe | zb_h1 |
+                           interleaved_1f1b (chunks=2) | zb_v (chunks=2, chunk_layout="v")}; zerospeed has no
+                           DualPipeV yet: its target row says "not built yet" and shows zb_v (the closest: the
+                           same V placement of 2 chunks per rank, zero-bubble instead of DualPipe's overlap)
+    DeepSpeed 1F1B         deepspeed.pipe.PipelineModule -> PipelineEngine (TrainSchedule); seed_fn=
+                           set_random_seed(int(seed)): with a "type:" partition DeepSpeed 0.19.8's stage bounds
+                           are numpy integers, which random.seed refuses under seed_layers=True
+    DeepSpeed DualPipeV    deepspeed.pipe.DualPipeVModule -> DualPipeVEngine (needs m >= 4)
+    torch <schedule>       torch.distributed.pipelining PipelineStage(s) over the same layers (nn.Sequential
+                           per model stage) with Schedule1F1B, ScheduleInterleaved1F1B (loop placement),
+                           ScheduleZBVZeroBubble, ScheduleDualPipeV (V placement); torch.optim.AdamW
+
+All: AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0, no clipping, ZeRO 0 (DeepSpeed:
+`torch_adam: true`, `gradient_clipping: 0.0`). bf16: zerospeed and DeepSpeed `"bf16": {"enabled": true}`
+(bf16 weights, fp32 master weights in the optimizer); torch: each stage's forward under
+`torch.autocast("cpu", torch.bfloat16)` with fp32 weights (torch's own mixed-precision recipe, as DDP's row
+in bench_zero.py); every system gets the same bf16-rounded inputs and targets (MLP). Losses are computed in
+fp32 (`out.float()`).
+
+Every rank trains `--warmup` + `--steps` steps on the same data (the parent writes it once, fixed seed);
+each step starts after a barrier (not timed) and its time is the slowest rank's `train_batch` (torch:
+`schedule.step` + optimizer step). samples/s = micro-batch x m / median timed step (the medians over
+repeats; repeats interleaved, each repeat starting one configuration later). Peak RSS per rank: ru_maxrss
+at the end of training. Final loss: the mean loss of the last step (its batch's micro-batches).
+
+Pipeline time and bubble. Compute = wall time inside the forward / backward / loss calls of a step, timed
+by wrapping them in the worker (no change to any engine): zerospeed `PipelineModule.forward_segments/
+forward_chunk` and `runtime.pipe_engine.backward_fused/backward_input/backward_weight`; DeepSpeed its
+ForwardPass / BackwardPass instructions (a per-instance copy of `_INSTRUCTION_MAP`); torch
+`PipelineStage.forward_one_chunk/backward_one_chunk/backward_weight_one_chunk`; plus the loss function.
+Optimizer = the engine's optimizer step (zerospeed `_optimizer_step`, DeepSpeed's OptimizerStep, torch's
+`optimizer.step`). Pipeline time = from the step's start to the last rank's optimizer step (the step without
+the optimizer and the loss's reduction: the makespan the simulator predicts). Measured bubble = 1 - (sum
+over ranks of compute) / (p x pipeline time), against the ideal (p - 1)/(m + p - 1) of 1F1B/GPipe and the
+simulator's bubble fraction.
+
+Simulator. The one-process launch, after training, builds every model stage alone (zerospeed
+PipelineModule(stage_id=s) for 2 and for 4 model stages) and times one micro-batch per stage, median of
+`--profile-reps` (after one warm-up): forward (forward_segments + loss), input-gradient pass
+(`backward_split.backward_input`), weight-gradient pass (`backward_weight`), and the fused forward/backward
+(`forward_chunk` + `backward_fused`). A schedule's per-rank StageTimes sum its rank's model stages (2 stages:
+stage r; interleaved: r and r + 2; V: r and 3 - r); schedules with a fused backward get backward_input = the
+fused backward, backward_weight = 0; send latency 0. `simulate(build_schedule(...), times).step_time` is the
+predicted pipeline time, compared with the measured one (the optimizer is not simulated). DeepSpeed and
+torch rows are predicted with the zerospeed schedule of the same order (DeepSpeed 1F1B, torch 1F1B -> 1f1b;
+torch Interleaved1F1B -> interleaved_1f1b; torch ZBVZeroBubble -> zb_v: torch splits the backward at graph
+nodes, zerospeed per layer) and with zerospeed's stage costs: approximate; DualPipeV has no zerospeed
+schedule, so no prediction.
+
+Targets (issue 24), per model x precision x m: zerospeed 1F1B >= 1.10x DeepSpeed 1F1B samples/s; zerospeed
+DualPipeV >= 1.10x DeepSpeed DualPipeV (not built yet; zb_v shown); the best zerospeed schedule >= 1.20x the
+best DeepSpeed one and >= 1.05x the best torch one; the simulator within 10% of every zerospeed schedule's
+measured pipeline time.
+
+A configuration that fails (a refusal, an exception, a timeout) is an "error: ..." row with its first error
+line and is not relaunched in later repeats; the run goes on. Without deepspeed importable its rows are
+left out. Writes bench/results/bench_pipe_<stamp>.{md,json} and logs_pipe_<stamp>/. `--zerospeed-ref REF`
+benchmarks zerospeed as committed at a git ref (a stable snapshot while src/ is being edited).
+
+The worker is this file too (`--worker`, started by torchrun); not collected by pytest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MiB = 2**20
+P = 2  # pipeline ranks (stages): the machine has 2 cores
+ADAM = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+ZS_SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v")
+# (label, system, schedule, world)
+CONFIGS = ([("one process", "reference", "-", 1)]
+           + [(f"zerospeed {s}", "zerospeed", s, P) for s in ZS_SCHEDULES]
+           + [("DeepSpeed 1F1B", "deepspeed", "1f1b", P), ("DeepSpeed DualPipeV", "deepspeed", "dualpipev", P)]
+           + [("torch 1F1B", "torch", "1f1b", P), ("torch Interleaved1F1B", "torch", "interleaved_1f1b", P),
+              ("torch ZBVZeroBubble", "torch", "zb_v", P), ("torch DualPipeV", "torch", "dualpipev", P)])
+SYSTEMS = ("reference", "zerospeed", "deepspeed", "torch")
+ALL_SCHEDULES = ("-",) + ZS_SCHEDULES + ("dualpipev",)
+# the zerospeed schedule whose order a row runs (for the simulator); None: no zerospeed counterpart
+SIM_SCHEDULE = {("zerospeed", s): s for s in ZS_SCHEDULES} | {
+    ("deepspeed", "1f1b"): "1f1b", ("torch", "1f1b"): "1f1b", ("torch", "interleaved_1f1b"): "interleaved_1f1b",
+    ("torch", "zb_v"): "zb_v"}
+QUICK = dict(mlp_layers=8, mlp_hidden=256, mlp_ffn=384, micro_batch=8, gpt_size="tiny", gpt_layers=4, gpt_micro_batch=2,
+             steps=2, warmup=1, repeats=1, microbatches="4", profile_reps=2, timeout=300.0)
+
+
+# -- models -------------------------------------------------------------------------------------------------
+class GPTEmbed(nn.Module):
+    """Token + learned position embeddings (GPT's first layer as a LayerSpec); GPT-2 init."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        for e in (self.wte, self.wpe):
+            nn.init.normal_(e.weight, 0.0, 0.02)
+
+    def forward(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTBlock(nn.Module):
+    """zerospeed.testing.models.Block with GPT's init (normal 0.02, residual projections scaled)."""
+
+    def __init__(self, cfg):
+        from zerospeed.testing.models import GPT, Block
+
+        super().__init__()
+        self.block = Block(cfg)
+        self.block.apply(GPT._init_weights)
+        for name, p in self.block.named_parameters():
+            if name.endswith("fc_out.weight") or name.endswith("proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, x):
+        return self.block(x)
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm + lm_head (untied), GPT's last layer as a LayerSpec."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.lm_head.weight, 0.0, 0.02)
+
+    def forward(self, x):
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_config(args):
+    """GPT_SIZES[--gpt-size] with --gpt-layers blocks (0: the size's own), untied head."""
+    import dataclasses
+
+    from zerospeed.testing.models import GPT_SIZES
+
+    cfg = GPT_SIZES[args.gpt_size]
+    return dataclasses.replace(cfg, n_layer=args.gpt_layers or cfg.n_layer, tie_weights=False)
+
+
+def partition_of(kind: str) -> str:
+    """mlp: uniform (24 identical-cost specs); gpt: balance the blocks (type:GPTBlock), the embedding riding with
+    the first stage and the head with the last, so 8 blocks split 4 + 4 and 2 + 2 + 2 + 2."""
+    return "uniform" if kind == "mlp" else "type:GPTBlock"
+
+
+def layer_specs(kind: str, spec_cls, args) -> list:
+    """The model as a list of `spec_cls` (zerospeed's or DeepSpeed's LayerSpec)."""
+    if kind == "mlp":
+        h, f = args.mlp_hidden, args.mlp_ffn
+        specs = []
+        for _ in range(args.mlp_layers):
+            specs += [spec_cls(nn.Linear, h, f), spec_cls(nn.ReLU), spec_cls(nn.Linear, f, h)]
+        return specs
+    cfg = gpt_config(args)
+    return [spec_cls(GPTEmbed, cfg)] + [spec_cls(GPTBlock, cfg) for _ in range(cfg.n_layer)] + \
+        [spec_cls(GPTHead, cfg)]
+
+
+def mse_loss(out, y):
+    return F.mse_loss(out.float(), y.float())
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+LOSSES = {"mlp": mse_loss, "gpt": lm_loss}
+
+
+def micro_batch_of(args, kind: str) -> int:
+    return args.micro_batch if kind == "mlp" else args.gpt_micro_batch
+
+
+def write_data(path: Path, kind: str, args, steps: int, m: int) -> None:
+    """x, y: [steps, m, micro, ...] (mlp: fp32 [1024]-vectors; gpt: byte windows of the demo text)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    mb = micro_batch_of(args, kind)
+    if kind == "mlp":
+        x = torch.randn(steps, m, mb, args.mlp_hidden, generator=gen)
+        y = torch.tanh(torch.roll(x, 1, dims=-1))
+    else:
+        from zerospeed.demo.data import load_corpus, sample_batch, split_corpus
+
+        corpus = load_corpus()
+        train = split_corpus(corpus, min(1 << 20, corpus.numel() // 10)).train
+        seq = gpt_config(args).seq_len
+        xs, ys = zip(*(sample_batch(train, mb, seq, gen) for _ in range(steps * m)))
+        x = torch.stack(xs).view(steps, m, mb, seq).to(torch.uint8)
+        y = torch.stack(ys).view(steps, m, mb, seq).to(torch.uint8)
+    torch.save({"x": x, "y": y}, path)
+
+
+def load_data(path: str, kind: str, precision: str, steps: int, m: int) -> list[list[tuple]]:
+    d = torch.load(path, weights_only=True)
+    x, y = d["x"][:steps, :m], d["y"][:steps, :m]
+    if kind == "gpt":
+        x, y = x.long(), y.long()
+    elif precision == "bf16":
+        x, y = x.bfloat16(), y.bfloat16()
+    return [[(x[i, j].clone(), y[i, j].clone()) for j in range(m)] for i in range(steps)]
+
+
+# -- worker: timing --------------------------------------------------------------------------------------
+class Timer:
+    """Seconds inside wrapped calls this step: `compute` (forward, backward, loss) and `opt` (optimizer
+    step), and `opt_start` (perf_counter when the step's first optimizer call began: the end of this rank's
+    pipeline). Nested wrapped calls count once (the outermost)."""
+
+    def __init__(self):
+        self._depth = 0
+        self.reset()
+
+    def reset(self):
+        self.compute = self.opt = 0.0
+        self.opt_start = None
+
+    def wrap(self, fn, kind: str = "compute"):
+        def timed(*a, **k):
+            if self._depth:
+                return fn(*a, **k)
+            self._depth += 1
+            t0 = time.perf_counter()
+            if kind == "opt" and self.opt_start is None:
+                self.opt_start = t0
+            try:
+                return fn(*a, **k)
+            finally:
+                self._depth -= 1
+                setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
+        return timed
+
+
+def _adam(torch_adam: bool) -> dict:
+    return dict(ADAM, torch_adam=True) if torch_adam else dict(ADAM)
+
+
+def _ds_config(args, mb: int, m: int, deepspeed: bool, extra: dict | None = None) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": m,
+           "optimizer": {"type": "AdamW", "params": _adam(deepspeed)}, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": 0}, "bf16": {"enabled": args.precision == "bf16"},
+           "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if deepspeed:
+        cfg["train_batch_size"] = mb * m
+    cfg.update(extra or {})
+    return cfg
+
+
+class _Autocast(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+def _zs_stage_module(args, kind: str, num_stages: int, stage_id: int):
+    """One model stage of the stack, alone (zerospeed's PipelineModule: the same seeds as every system)."""
+    from zerospeed.pipe import LayerSpec, PipelineModule
+
+    module = PipelineModule(layer_specs(kind, LayerSpec, args), num_stages=num_stages, stage_id=stage_id,
+                            loss_fn=LOSSES[kind], partition_method=partition_of(kind), seed_layers=True,
+                            base_seed=args.seed)
+    return _reseed(module, args)
+
+
+def _reseed(module, args):
+    """seed_layers=True seeds each layer's build (same weights everywhere) and, in zerospeed and DeepSpeed alike,
+    re-seeds Python/numpy/torch before every layer of every forward (~0.1 ms a layer here, for dropout only):
+    off unless --forward-reseed (the attribute is read at forward time in both)."""
+    module.seed_layers = bool(args.forward_reseed)
+    return module
+
+
+class ReferenceRunner:
+    """zerospeed's ordinary engine on the whole stack in one process, gradient accumulation m."""
+
+    def __init__(self, args, kind, m, timer):
+        import zerospeed
+
+        whole = _zs_stage_module(args, kind, 1, 0)
+        self.net = _Whole(nn.Sequential(*whole.forward_funcs), LOSSES[kind])
+        self.n_params = sum(p.numel() for p in self.net.parameters())
+        self.engine, *_ = zerospeed.initialize(model=self.net, config=_ds_config(args, micro_batch_of(args, kind), m,
+                                                                                 False))
+        self.timer = timer
+        self.fwd, self.bwd = timer.wrap(self.engine.__call__), timer.wrap(self.engine.backward)
+        self.opt = timer.wrap(self.engine.step, "opt")
+
+    def train_step(self, mbs) -> float:
+        losses = []
+        for j, (x, y) in enumerate(mbs):
+            loss = self.fwd(x, y)
+            self.bwd(loss)
+            (self.opt if j == len(mbs) - 1 else self.engine.step)()  # a no-op before the boundary
+            losses.append(float(loss.detach().float()))
+        return sum(losses) / len(losses)
+
+
+class _Whole(nn.Module):
+    def __init__(self, seq, loss_fn):
+        super().__init__()
+        self.seq, self.loss_fn = seq, loss_fn
+
+    def forward(self, x, y):
+        return self.loss_fn(self.seq(x), y)
+
+
+class ZeroSpeedRunner:
+    def __init__(self, args, kind, m, timer):
+        import zerospeed
+        import zerospeed.runtime.pipe_engine as pe
+        from zerospeed.pipe import LayerSpec, PipelineModule
+
+        chunks, layout = {"interleaved_1f1b": (2, "interleaved"), "zb_v": (2, "v")}.get(args.schedule, (1, "interleaved"))
+        module = PipelineModule(layer_specs(kind, LayerSpec, args), num_stages=P, loss_fn=timer.wrap(LOSSES[kind]),
+                                partition_method=partition_of(kind), seed_layers=True, base_seed=args.seed, chunks=chunks,
+                                chunk_layout=layout)
+        _reseed(module, args)
+        self.n_params = sum(p.numel() for p in module.parameters())
+        cfg = _ds_config(args, micro_batch_of(args, kind), m, False, {"pipeline": {"schedule": args.schedule}})
+        self.engine, *_ = zerospeed.initialize(model=module, config=cfg)
+        # timing wrappers (the engine looks these up at call time): no change to the engine's code
+        for name in ("backward_fused", "backward_input", "backward_weight"):
+            setattr(pe, name, timer.wrap(getattr(pe, name)))
+        mod = self.engine.module
+        mod.forward_segments = timer.wrap(mod.forward_segments)
+        mod.forward_chunk = timer.wrap(mod.forward_chunk)
+        self.engine._optimizer_step = timer.wrap(self.engine._optimizer_step, "opt")
+        self.has_first, self.has_last = self.engine.is_first_stage(), self.engine.is_last_stage()
+
+    def train_step(self, mbs) -> float:
+        return float(self.engine.train_batch(iter(mbs)).float())
+
+
+class DeepSpeedRunner:
+    def __init__(self, args, kind, m, timer):
+        import logging
+
+        import deepspeed
+        from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule
+        from deepspeed.runtime.pipe import schedule as S
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo")
+        from deepspeed.runtime.utils import set_random_seed
+
+        cls = DualPipeVModule if args.schedule == "dualpipev" else PipelineModule
+        # seed_fn: its own set_random_seed, given an int: with a "type:" partition DeepSpeed 0.19.8's stage bounds
+        # are numpy integers, which random.seed refuses (TypeError) under seed_layers=True
+        module = cls(layers=layer_specs(kind, LayerSpec, args), num_stages=P, loss_fn=timer.wrap(LOSSES[kind]),
+                     partition_method=partition_of(kind), seed_layers=True, base_seed=args.seed,
+                     seed_fn=lambda seed: set_random_seed(int(seed)))
+        _reseed(module, args)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in params)
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=params,
+                                               config=_ds_config(args, micro_batch_of(args, kind), m, True))
+        table = dict(type(self.engine)._INSTRUCTION_MAP)  # the instance's copy, with timed compute and step
+        for ins in (S.ForwardPass, S.BackwardPass):
+            table[ins] = timer.wrap(table[ins])
+        table[S.OptimizerStep] = timer.wrap(table[S.OptimizerStep], "opt")
+        self.engine._INSTRUCTION_MAP = table
+
+    def train_step(self, mbs) -> float:
+        return float(self.engine.train_batch(iter(mbs)).float())
+
+
+class TorchRunner:
+    def __init__(self, args, kind, m, timer):
+        import torch.distributed as dist
+        from torch.distributed import pipelining as tp
+
+        rank = dist.get_rank()
+        chunks = 1 if args.schedule == "1f1b" else 2
+        n = P * chunks
+        mine = {"1f1b": [rank], "interleaved_1f1b": [rank, rank + P]}.get(args.schedule, [rank, 2 * P - 1 - rank])
+        self.stages, params = [], []
+        for s in mine:
+            seq = nn.Sequential(*_zs_stage_module(args, kind, n, s).forward_funcs)
+            params += list(seq.parameters())
+            stage = tp.PipelineStage(_Autocast(seq) if args.precision == "bf16" else seq, s, n, torch.device("cpu"))
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, timer.wrap(getattr(stage, name)))
+            self.stages.append(stage)
+        self.n_params = sum(p.numel() for p in params)
+        cls = {"1f1b": tp.Schedule1F1B, "interleaved_1f1b": tp.ScheduleInterleaved1F1B,
+               "zb_v": tp.ScheduleZBVZeroBubble, "dualpipev": tp.ScheduleDualPipeV}[args.schedule]
+        self.schedule = cls(self.stages[0] if chunks == 1 else self.stages, n_microbatches=m,
+                            loss_fn=timer.wrap(LOSSES[kind]))
+        self.optimizer = torch.optim.AdamW(params, lr=ADAM["lr"], betas=tuple(ADAM["betas"]), eps=ADAM["eps"],
+                                           weight_decay=ADAM["weight_decay"])
+        self.opt_step = timer.wrap(self.optimizer.step, "opt")
+        self.has_first, self.has_last = 0 in mine, n - 1 in mine
+
+    def train_step(self, mbs) -> float:
+        import torch.distributed as dist
+
+        x = torch.cat([a for a, _ in mbs])
+        y = torch.cat([b for _, b in mbs])
+        losses: list = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        self.opt_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t = torch.tensor(float(torch.stack([v.detach().float() for v in losses]).mean()) if losses else 0.0,
+                         dtype=torch.float64)
+        dist.all_reduce(t)  # only the rank holding the last stage contributes
+        return float(t)
+
+
+RUNNERS = {"reference": ReferenceRunner, "zerospeed": ZeroSpeedRunner, "deepspeed": DeepSpeedRunner,
+           "torch": TorchRunner}
+
+
+# -- worker: per-stage times for the simulator -----------------------------------------------------------
+def profile_stages(args, kind: str, m: int, mbs: list) -> dict:
+    """Per model stage (2 and 4 model stages), one micro-batch, median of args.profile_reps after a warm-up:
+    seconds of forward (+ loss on the last stage), input-gradient pass, weight-gradient pass (zerospeed's
+    backward split), and the fused forward and backward. {"2": [stage dicts], "4": [...]}."""
+    from zerospeed.pipe.backward_split import backward_fused, backward_input, backward_weight, detach_input
+
+    x, y = mbs[0]
+    loss_fn = LOSSES[kind]
+    out = {}
+    for n in (2, 4):
+        inp, rows = x, []
+        for s in range(n):
+            mod = _zs_stage_module(args, kind, n, s)
+            if args.precision == "bf16":
+                mod.to(torch.bfloat16)
+            last = s == n - 1
+            samples = {k: [] for k in ("forward", "backward_input", "backward_weight", "forward_fused",
+                                       "backward_fused")}
+            output = None
+            for rep in range(args.profile_reps + 1):
+                for p in mod.parameters():
+                    p.grad = None
+                xin = inp if s == 0 else detach_input(inp)
+                t0 = time.perf_counter()
+                o, segs = mod.forward_segments(xin)
+                if last:
+                    segs[-1].output = loss_fn(o, y) / m
+                t1 = time.perf_counter()
+                g = None if last else torch.ones_like(o)  # the output gradient a later stage would send
+                t1b = time.perf_counter()
+                pending, _ = backward_input(segs, g)
+                t2 = time.perf_counter()
+                backward_weight(pending)
+                t3 = time.perf_counter()
+                output = o.detach()
+                del segs, pending
+                for p in mod.parameters():
+                    p.grad = None
+                xin = inp if s == 0 else detach_input(inp)
+                t4 = time.perf_counter()
+                o = mod.forward_chunk(None, xin)
+                target = loss_fn(o, y) / m if last else o
+                t5 = time.perf_counter()
+                backward_fused(target, g)
+                t6 = time.perf_counter()
+                if rep:
+                    for k, v in zip(samples, (t1 - t0, t2 - t1b, t3 - t2, t5 - t4, t6 - t5)):
+                        samples[k].append(v)
+            rows.append({k: statistics.median(v) for k, v in samples.items()})
+            inp = output
+            del mod
+        out[str(n)] = rows
+    return out
+
+
+def worker(args) -> int:
+    import torch.distributed as dist
+
+    from _systems import all_gather_floats
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    meta = {k: getattr(args, k) for k in ("label", "system", "schedule", "model", "precision", "steps", "warmup",
+                                          "repeat")}
+    meta.update(m=args.n_micro, world_size=world, micro_batch=micro_batch_of(args, args.model))
+    total = args.warmup + args.steps
+    try:
+        mbs = load_data(args.data, args.model, args.precision, total, args.n_micro)
+        timer = Timer()
+        runner = RUNNERS[args.system](args, args.model, args.n_micro, timer)
+        step_s, compute_s, opt_s, span_s, losses = [], [], [], [], []
+        for i in range(total):
+            dist.barrier()
+            timer.reset()
+            t0 = time.perf_counter()
+            loss = runner.train_step(mbs[i])
+            step_s.append(time.perf_counter() - t0)
+            compute_s.append(timer.compute)
+            opt_s.append(timer.opt)
+            span_s.append(timer.opt_start - t0 if timer.opt_start is not None else step_s[-1])
+            losses.append(loss)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+        steps_r, comp_r, opt_r, span_r, loss_r = (all_gather_floats(v)
+                                                  for v in (step_s, compute_s, opt_s, span_s, losses))
+        per_rank = all_gather_floats([rss, float(runner.n_params)])
+        result = {"status": "ok", "n_params": int(sum(r[1] for r in per_rank)),
+                  "step_s": [max(r[i] for r in steps_r) for i in range(total)],
+                  # the pipeline: from the step's start (after a barrier) to the last rank's optimizer step
+                  "pipeline_s": [max(r[i] for r in span_r) for i in range(total)],
+                  "compute_s": comp_r, "opt_s": opt_r, "losses": loss_r[0],
+                  "peak_rss_bytes": [r[0] for r in per_rank]}
+        if args.system == "reference":
+            result["stage_times"] = profile_stages(args, args.model, args.n_micro, mbs[0])
+        code = 0
+    except Exception as e:  # noqa: BLE001 - a refusal or failure is a table row
+        result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(result["traceback"], file=sys.stderr, flush=True)
+        code = 1
+    if rank == 0 or result["status"] != "ok":
+        path = Path(args.result) if rank == 0 else Path(f"{args.result}.rank{rank}")
+        tmp = path.parent / f"{path.name}.tmp"
+        tmp.write_text(json.dumps({**meta, **result}))
+        tmp.replace(path)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return code
+
+
+# -- parent ------------------------------------------------------------------------------------------------
+def _csv(s: str) -> list[str]:
+    return [v.strip() for v in s.split(",") if v.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,gpt", help="comma list of mlp, gpt")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma list of fp32, bf16")
+    p.add_argument("--microbatches", default="4,8", help="micro-batches per step (m), comma list")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--schedules", default=",".join(ALL_SCHEDULES),
+                   help="comma list of schedules to run, of every system ('-' is the one process)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per launch")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch, mlp")
+    p.add_argument("--gpt-micro-batch", type=int, default=4, help="sequences per micro-batch, gpt")
+    p.add_argument("--mlp-layers", type=int, default=8)
+    p.add_argument("--mlp-hidden", type=int, default=1024)
+    p.add_argument("--mlp-ffn", type=int, default=1536)
+    p.add_argument("--gpt-size", default="small", help="a key of zerospeed.testing.models.GPT_SIZES")
+    p.add_argument("--gpt-layers", type=int, default=8, help="GPT blocks (0: the size's own; small has 6)")
+    p.add_argument("--profile-reps", type=int, default=5, help="timed repetitions per stage for the simulator")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--forward-reseed", type=int, default=0,
+                   help="1: keep seed_layers' re-seeding before every layer of every forward (zerospeed, DeepSpeed)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (flags still override)")
+    p.add_argument("--zerospeed-ref", default=None, help="benchmark zerospeed as committed at this git ref")
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument("--report", metavar="JSON", default=None, help="re-render a saved bench_pipe_<stamp>.json")
+    # worker side
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--label", "--system", "--schedule", "--model", "--precision", "--data", "--result"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--n-micro", "--repeat"):
+        p.add_argument(flag, type=int, default=0, help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    if args.quick:  # quick defaults, unless the flag was given
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for k, v in QUICK.items():
+            if "--" + k.replace("_", "-") not in given:
+                setattr(args, k, v)
+    if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
+        p.error("--warmup, --steps and --repeats must be >= 1")
+    return args
+
+
+def configurations(args) -> list[tuple]:
+    systems, schedules = set(_csv(args.systems)), set(_csv(args.schedules))
+    return [c for c in CONFIGS if c[1] in systems and c[2] in schedules]
+
+
+def run_all(args, logs: Path, data: dict, pythonpath: str | None) -> tuple[list[dict], bool]:
+    from bench_zero import _log_tail, launch
+
+    configs = configurations(args)
+    models, precisions, ms = _csv(args.models), _csv(args.precisions), [int(v) for v in _csv(args.microbatches)]
+    groups = [(k, pr, m) for k in models for pr in precisions for m in ms]
+    runs, failed, k = [], {}, 0
+    n = len(groups) * len(configs) * args.repeats
+    try:
+        for rep in range(args.repeats):
+            for kind, precision, m in groups:
+                order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+                for label, system, schedule, world in order:
+                    k += 1
+                    key = (kind, precision, m, label)
+                    if key in failed:  # a refusal does not change between repeats: launched once
+                        print(f"[{k}/{n}] {kind} {precision} m={m} {label}: failed in an earlier repeat, not "
+                              f"relaunched", file=sys.stderr, flush=True)
+                        continue
+                    tag = f"{kind}_{precision}_m{m}_{system}_{schedule.replace('-', 'one')}_r{rep}"
+                    result = logs / f"{tag}.json"
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), str(Path(__file__).resolve()), "--worker", "--label", label, "--system", system,
+                           "--schedule", schedule, "--model", kind, "--precision", precision, "--n-micro", str(m),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--repeat", str(rep),
+                           "--micro-batch", str(args.micro_batch), "--gpt-micro-batch", str(args.gpt_micro_batch),
+                           "--mlp-layers", str(args.mlp_layers), "--mlp-hidden", str(args.mlp_hidden),
+                           "--mlp-ffn", str(args.mlp_ffn), "--gpt-size", args.gpt_size,
+                           "--gpt-layers", str(args.gpt_layers),
+                           "--profile-reps", str(args.profile_reps), "--seed", str(args.seed),
+                           "--forward-reseed", str(args.forward_reseed),
+                           "--timeout", str(args.timeout), "--data", str(data[kind]), "--result", str(result)]
+                    load = os.getloadavg()[0]
+                    code, wall = launch(cmd, logs / f"{tag}.log", args.timeout, pythonpath)
+                    if result.exists():
+                        run = json.loads(result.read_text())
+                    else:
+                        errs = sorted(logs.glob(f"{tag}.json.rank*"))
+                        if errs:
+                            run = json.loads(errs[0].read_text())
+                        else:
+                            why = "timed out" if code is None else f"exit code {code}"
+                            run = {"status": "error", "message": f"{why}: {_log_tail(logs / f'{tag}.log')}"}
+                    run.update(label=label, system=system, schedule=schedule, model=kind, precision=precision, m=m,
+                               world_size=world, repeat=rep, load_avg_1min=load, wall_s=wall,
+                               micro_batch=micro_batch_of(args, kind), warmup=args.warmup)
+                    run.pop("traceback", None)
+                    if run["status"] != "ok":
+                        failed[key] = True
+                    runs.append(run)
+                    what = (f"{samples_per_s(run):,.1f} samples/s, step {statistics.median(run['step_s'][args.warmup:]):.3f} s"
+                            if run["status"] == "ok" else f"{run['status']}: {run.get('message', '')[:160]}")
+                    print(f"[{k}/{n}] {kind} {precision} m={m} {label} repeat {rep + 1}: {what} ({wall:.0f} s, "
+                          f"load {load:.1f})", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("bench_pipe: interrupted; reporting the runs finished so far", file=sys.stderr)
+        return runs, True
+    return runs, False
+
+
+def samples_per_s(run: dict) -> float:
+    return run["micro_batch"] * run["m"] / statistics.median(run["step_s"][run["warmup"]:])
+
+
+def measured_bubble(run: dict) -> float | None:
+    """Median over timed steps of 1 - sum_r compute_r / (p x pipeline), pipeline = from the step's start to the
+    last rank's optimizer step (the makespan the simulator predicts)."""
+    if run["world_size"] < 2:
+        return None
+    out = []
+    ranks = len(run["compute_s"])
+    for i in range(run["warmup"], len(run["step_s"])):
+        span = run["pipeline_s"][i]
+        if span > 0:
+            out.append(1.0 - sum(r[i] for r in run["compute_s"]) / (ranks * span))
+    return statistics.median(out) if out else None
+
+
+def _stage_table(profiles: list[dict]) -> dict:
+    """The median over repeats of every stage time: {"2": [...], "4": [...]}."""
+    out = {}
+    for n in ("2", "4"):
+        out[n] = [{k: statistics.median(p[n][s][k] for p in profiles) for k in profiles[0][n][s]}
+                  for s in range(len(profiles[0][n]))]
+    return out
+
+
+def simulate_row(stage_times: dict, name: str, m: int):
+    """(simulated pipeline step seconds, simulated bubble) of zerospeed schedule `name` at p=P, m."""
+    from zerospeed.pipe import StageTimes, build_schedule
+    from zerospeed.pipe.schedule import BackwardInput
+    from zerospeed.pipe.simulate import simulate
+
+    chunks, layout = {"interleaved_1f1b": (2, "interleaved"), "zb_v": (2, "v")}.get(name, (1, "interleaved"))
+    plan = build_schedule(name, P, m, chunks=chunks, layout=layout)
+    split = any(isinstance(a, BackwardInput) for acts in plan.values() for a in acts)
+    if chunks == 1:
+        rows, held = stage_times["2"], {r: [r] for r in range(P)}
+    elif layout == "interleaved":
+        rows, held = stage_times["4"], {r: [r, r + P] for r in range(P)}
+    else:
+        rows, held = stage_times["4"], {r: [r, 2 * P - 1 - r] for r in range(P)}
+
+    def per_rank(key):
+        return [sum(rows[s][key] for s in held[r]) for r in range(P)]
+
+    if split:
+        times = StageTimes(forward=per_rank("forward"), backward_input=per_rank("backward_input"),
+                           backward_weight=per_rank("backward_weight"))
+    else:
+        times = StageTimes(forward=per_rank("forward_fused"), backward_input=per_rank("backward_fused"),
+                           backward_weight=[0.0] * P)
+    res = simulate(plan, times)
+    return res.step_time, res.bubble_fraction
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["precision"], r["m"], r["label"]), []).append(r)
+    rows = []
+    for (kind, precision, m, label), rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        first = rs[0]
+        row = {"model": kind, "precision": precision, "m": m, "label": label, "system": first["system"],
+               "schedule": first["schedule"], "repeats": len(ok), "status": "ok" if ok else first["status"],
+               "message": first.get("message", "")}
+        if ok:
+            w = ok[0]["warmup"]
+            ranks = len(ok[0]["peak_rss_bytes"])
+            bubbles = [b for b in (measured_bubble(r) for r in ok) if b is not None]
+            row.update(
+                n_params=ok[0]["n_params"], micro_batch=ok[0]["micro_batch"],
+                samples_per_s=statistics.median(samples_per_s(r) for r in ok),
+                samples_per_s_all=[samples_per_s(r) for r in ok],
+                step_s=statistics.median(statistics.median(r["step_s"][w:]) for r in ok),
+                pipeline_s=statistics.median(statistics.median(r["pipeline_s"][w:]) for r in ok),
+                # slowest rank's optimizer call (zerospeed's includes waiting for the other rank in the norm's
+                # all-reduce over the pipe group)
+                opt_s=statistics.median(statistics.median(max(rk[i] for rk in r["opt_s"])
+                                                          for i in range(w, len(r["step_s"]))) for r in ok),
+                compute_s=[statistics.median(statistics.median(r["compute_s"][k][w:]) for r in ok) for k in range(ranks)],
+                bubble=statistics.median(bubbles) if bubbles else None,
+                peak_rss_mib=[statistics.median(r["peak_rss_bytes"][k] for r in ok) / MiB for k in range(ranks)],
+                final_loss=statistics.median(r["losses"][-1] for r in ok), losses=ok[0]["losses"],
+                load=[r["load_avg_1min"] for r in ok])
+            if ok[0].get("stage_times"):
+                row["stage_times"] = _stage_table([r["stage_times"] for r in ok])
+        rows.append(row)
+    by = {(r["model"], r["precision"], r["m"], r["label"]): r for r in rows if r["status"] == "ok"}
+    for row in rows:
+        row["ideal_bubble"] = (P - 1) / (row["m"] + P - 1)
+        if row["status"] != "ok":
+            continue
+        ref = by.get((row["model"], row["precision"], row["m"], "one process"))
+        row["vs_one"] = row["samples_per_s"] / ref["samples_per_s"] if ref and ref is not row else None
+        row["dloss"] = row["final_loss"] - ref["final_loss"] if ref and ref is not row else None
+        sim = SIM_SCHEDULE.get((row["system"], row["schedule"]))
+        row["sim_schedule"] = sim
+        if sim and ref and ref.get("stage_times"):
+            try:
+                step, bubble = simulate_row(ref["stage_times"], sim, row["m"])
+                row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
+                row["sim_error"] = step / row["pipeline_s"] - 1.0
+            except Exception as e:  # noqa: BLE001 - a table cell, not a crash
+                row["sim_error_message"] = f"{type(e).__name__}: {e}"
+    return rows
+
+
+def _f(x, spec, none="—"):
+    return none if x is None else format(x, spec)
+
+
+HEADER = ("| model | prec | m | system | step s | samples/s | vs one process | pipeline s | pipeline simulated s "
+          "(error) | bubble measured | bubble simulated | (p-1)/(m+p-1) | optimizer s | compute s/rank | "
+          "peak RSS/rank MiB | final loss | Δ vs one process |")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [HEADER, "|" + "---|" * (HEADER.count(" | ") + 1)]
+    for r in rows:
+        head = f"| {r['model']} | {r['precision']} | {r['m']} | {r['label']} |"
+        if r["status"] != "ok":
+            msg = (r.get("message") or "").splitlines()[0][:200].replace("|", "/") if r.get("message") else ""
+            lines.append(f"{head} {r['status']}: {msg} |" + " — |" * (HEADER.count(" | ") - 4))
+            continue
+        sim = (f"{r['sim_pipeline_s']:.3f} ({100 * r['sim_error']:+.0f}%)" if r.get("sim_pipeline_s") is not None
+               else ("error: " + r["sim_error_message"][:80] if r.get("sim_error_message") else "—"))
+        vs_one = "—" if r["vs_one"] is None else f"{r['vs_one']:.2f}x"
+        pipeline = "—" if r["label"] == "one process" else f"{r['pipeline_s']:.3f}"
+        lines.append(
+            f"{head} {r['step_s']:.3f} | {r['samples_per_s']:,.1f} | {vs_one} | {pipeline} | {sim} | "
+            f"{_f(r['bubble'], '.3f')} | {_f(r.get('sim_bubble'), '.3f')} | {r['ideal_bubble']:.3f} | "
+            f"{r['opt_s']:.3f} | {' / '.join(f'{c:.3f}' for c in r['compute_s'])} | "
+            f"{' / '.join(f'{v:,.0f}' for v in r['peak_rss_mib'])} | {r['final_loss']:.4f} | "
+            f"{_f(r['dloss'], '+.1e')} |")
+    return "\n".join(lines)
+
+
+def targets_table(rows: list[dict]) -> str:
+    """Issue 24's targets per (model, precision, m)."""
+    lines = ["| model | prec | m | target | value | met |", "|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["precision"], r["m"]) for r in rows},
+                  key=lambda k: (k[0], ("fp32", "bf16").index(k[1]) if k[1] in ("fp32", "bf16") else 9, k[2]))
+    for kind, precision, m in keys:
+        ok = {r["label"]: r for r in rows if (r["model"], r["precision"], r["m"]) == (kind, precision, m)
+              and r["status"] == "ok"}
+
+        def sps(label):
+            return ok[label]["samples_per_s"] if label in ok else None
+
+        def best(system):
+            cands = [(r["samples_per_s"], lbl) for lbl, r in ok.items() if r["system"] == system]
+            return max(cands) if cands else (None, None)
+
+        def line(target, num, den, goal, note=""):
+            if num is None or den is None:
+                lines.append(f"| {kind} | {precision} | {m} | {target} | n/a{note} | — |")
+            else:
+                v = num / den
+                lines.append(f"| {kind} | {precision} | {m} | {target} | {v:.2f}x{note} | "
+                             f"{'yes' if v >= goal else 'no'} |")
+
+        line("zerospeed 1F1B >= 1.10x DeepSpeed 1F1B", sps("zerospeed 1f1b"), sps("DeepSpeed 1F1B"), 1.10)
+        zbv = sps("zerospeed zb_v")
+        ds_dpv = sps("DeepSpeed DualPipeV")
+        note = (f" (zerospeed zb_v ÷ DeepSpeed DualPipeV = {zbv / ds_dpv:.2f}x)" if zbv and ds_dpv else "")
+        lines.append(f"| {kind} | {precision} | {m} | zerospeed DualPipeV >= 1.10x DeepSpeed DualPipeV | "
+                     f"not built yet{note} | — |")
+        (bz, bz_l), (bd, bd_l), (bt, bt_l) = best("zerospeed"), best("deepspeed"), best("torch")
+        line(f"best zerospeed ({bz_l}) >= 1.20x best DeepSpeed ({bd_l})", bz, bd, 1.20)
+        line(f"best zerospeed ({bz_l}) >= 1.05x best torch ({bt_l})", bz, bt, 1.05)
+        errs = [(abs(r["sim_error"]), lbl) for lbl, r in ok.items()
+                if r["system"] == "zerospeed" and r.get("sim_error") is not None]
+        if errs:
+            worst = max(errs)
+            lines.append(f"| {kind} | {precision} | {m} | simulator within 10% of the measured pipeline time (every "
+                         f"zerospeed schedule) | worst {100 * worst[0]:.0f}% ({worst[1]}) | "
+                         f"{'yes' if worst[0] <= 0.10 else 'no'} |")
+        else:
+            lines.append(f"| {kind} | {precision} | {m} | simulator within 10% of measured step | n/a | — |")
+    return "\n".join(lines)
+
+
+def stage_times_table(rows: list[dict]) -> str:
+    lines = ["| model | prec | m | model stages | stage | forward ms | input grad ms | weight grad ms | "
+             "fused forward ms | fused backward ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["label"] != "one process" or not r.get("stage_times"):
+            continue
+        for n, stages in r["stage_times"].items():
+            for s, t in enumerate(stages):
+                lines.append(f"| {r['model']} | {r['precision']} | {r['m']} | {n} | {s} | {1e3 * t['forward']:.1f} | "
+                             f"{1e3 * t['backward_input']:.1f} | {1e3 * t['backward_weight']:.1f} | "
+                             f"{1e3 * t['forward_fused']:.1f} | {1e3 * t['backward_fused']:.1f} |")
+    return "\n".join(lines)
+
+
+NOTES = ("samples/s = micro-batch x m / median step (slowest rank, after a barrier); medians over repeats. "
+         "pipeline s = from the step's start to the last rank's optimizer step (the step minus the optimizer and "
+         "the loss's reduction). Bubble measured = 1 - Σ_ranks compute / (p x pipeline), compute timed inside the "
+         "forward, backward and loss calls; (p-1)/(m+p-1) is 1F1B's ideal with one chunk per rank; pipeline and "
+         "bubble simulated = zerospeed.pipe.simulate on the stage times below (the zerospeed schedule of the same "
+         "order; DeepSpeed and torch rows: approximate, zerospeed's stage costs); the error is against the measured "
+         "pipeline s. optimizer s: the slowest rank's optimizer call (zerospeed's includes the wait in the norm's "
+         "all-reduce over the pipe group). Peak RSS: ru_maxrss per rank (one process: the whole model in one process). "
+         "Δ vs one process: final loss minus the one-process final loss (same data and initial weights; bf16 rows "
+         "differ by rounding, torch bf16 is autocast over fp32 weights).")
+
+
+def report(saved: dict, base: Path) -> str:
+    a = saved["args"]
+    rows = aggregate(saved["runs"])
+    order = {c[0]: i for i, c in enumerate(CONFIGS)}
+    rows.sort(key=lambda r: (r["model"], ("fp32", "bf16").index(r["precision"]) if r["precision"] in ("fp32", "bf16")
+                             else 9, r["m"], order.get(r["label"], 99)))
+    loads = [r["load_avg_1min"] for r in saved["runs"]]
+    params = {r["model"]: r["n_params"] for r in rows if r.get("n_params") and r["label"] == "one process"}
+    shapes = {"mlp": f"mlp {a['mlp_layers']} x (Linear {a['mlp_hidden']}->{a['mlp_ffn']}, ReLU, Linear "
+                     f"{a['mlp_ffn']}->{a['mlp_hidden']}), micro-batch {a['micro_batch']}",
+              "gpt": f"gpt {a['gpt_size']} with {a.get('gpt_layers') or 'its'} blocks (embedding, blocks, head as "
+                     f"LayerSpecs, type:GPTBlock partition), micro-batch "
+                     f"{a['gpt_micro_batch']} sequences"}
+    header = (f"bench_pipe {saved['stamp']}: p = {P} pipeline stages (2 ranks, gloo, 1 thread per rank); "
+              + "; ".join(f"{shapes[k]}{f' ({params[k] / 1e6:.1f}M parameters)' if k in params else ''}"
+                          for k in _csv(a["models"]))
+              + f"; {a['warmup']} warm-up + {a['steps']} timed steps, {a['repeats']} interleaved repeat(s) (medians), "
+              f"AdamW lr 1e-4, no clipping; torch {saved['torch']}, deepspeed {saved.get('deepspeed') or 'n/a'}, "
+              f"{saved['cpu']}; 1-min load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f} during the "
+              f"runs; {saved['elapsed_s'] / 60:.1f} min in all. zerospeed: {saved['zerospeed_source']}.")
+    md = (f"{header}\n\n{markdown_table(rows)}\n\n{NOTES}\n\n### Targets (issue 24)\n\n{targets_table(rows)}\n\n"
+          f"### Stage times (one micro-batch, one process; the simulator's input)\n\n{stage_times_table(rows)}\n")
+    if saved.get("interrupted"):
+        md += "\nInterrupted: incomplete.\n"
+    base.with_suffix(".md").write_text(md)
+    base.with_suffix(".json").write_text(json.dumps({**saved, "rows": rows}, indent=1, default=str))
+    print(f"written: {base}.md, {base}.json", file=sys.stderr)
+    return md
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        print(report(saved, Path(args.report).with_suffix("")))
+        return 0
+    import importlib.util
+    import shutil
+    import signal
+    import tempfile
+
+    from bench_zero import _cpu_name, _interrupt, zerospeed_source
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    out = Path(args.out)
+    logs = out / f"logs_pipe_{stamp}"
+    logs.mkdir(parents=True)
+    ds_version = None
+    if "deepspeed" in _csv(args.systems):
+        if importlib.util.find_spec("deepspeed") is None:
+            print("bench_pipe: deepspeed is not importable: its rows are left out", file=sys.stderr)
+            args.systems = ",".join(s for s in _csv(args.systems) if s != "deepspeed")
+        else:
+            from importlib.metadata import version
+
+            ds_version = version("deepspeed")
+    t0 = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_pipe_"))
+    try:
+        total = args.warmup + args.steps
+        m_max = max(int(v) for v in _csv(args.microbatches))
+        data = {}
+        for kind in _csv(args.models):
+            data[kind] = tmp / f"data_{kind}.pt"
+            write_data(data[kind], kind, args, total, m_max)
+        pythonpath, source = zerospeed_source(args.zerospeed_ref, tmp / "zerospeed_src")
+        print(f"bench_pipe: zerospeed from {source}; logs in {logs}", file=sys.stderr, flush=True)
+        runs, interrupted = run_all(args, logs, data, pythonpath)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    saved = {"stamp": stamp, "args": {k: v for k, v in vars(args).items() if k not in ("worker",)},
+             "elapsed_s": time.time() - t0, "torch": torch.__version__, "deepspeed": ds_version, "cpu": _cpu_name(),
+             "zerospeed_source": source, "interrupted": interrupted, "runs": runs}
+    print(report(saved, out / f"bench_pipe_{stamp}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
