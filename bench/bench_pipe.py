@@ -462,59 +462,90 @@ RUNNERS = {"reference": ReferenceRunner, "zerospeed": ZeroSpeedRunner, "deepspee
 
 
 # -- worker: per-stage times for the simulator -----------------------------------------------------------
-def profile_stages(args, kind: str, m: int, mbs: list) -> dict:
-    """Per model stage (2 and 4 model stages), one micro-batch, median of args.profile_reps after a warm-up:
-    seconds of forward (+ loss on the last stage), input-gradient pass, weight-gradient pass (zerospeed's
-    backward split), and the fused forward and backward. {"2": [stage dicts], "4": [...]}."""
+def _stage_input(args, kind: str, mb: int):
+    """A stand-in for the activation a later model stage receives (mlp [mb, hidden]; gpt [mb, seq, d_model])."""
+    if kind == "mlp":
+        shape = (mb, args.mlp_hidden)
+    else:
+        cfg = gpt_config(args)
+        shape = (mb, cfg.seq_len, cfg.d_model)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
+    return x.bfloat16() if args.precision == "bf16" else x
+
+
+def time_stage(args, kind: str, m: int, n: int, s: int, x, y) -> dict:
+    """Model stage s of n, built alone (zerospeed's PipelineModule, cast to bf16 under bf16), one micro-batch:
+    median of args.profile_reps (after a warm-up) seconds of forward (+ the loss / m on the last stage),
+    input-gradient pass, weight-gradient pass (zerospeed's backward split, as its engine runs them), and the
+    fused forward and backward. Stage 0 reads the micro-batch x; later stages a random activation."""
     from zerospeed.pipe.backward_split import backward_fused, backward_input, backward_weight, detach_input
 
-    x, y = mbs[0]
     loss_fn = LOSSES[kind]
-    out = {}
-    for n in (2, 4):
-        inp, rows = x, []
-        for s in range(n):
-            mod = _zs_stage_module(args, kind, n, s)
-            if args.precision == "bf16":
-                mod.to(torch.bfloat16)
-            last = s == n - 1
-            samples = {k: [] for k in ("forward", "backward_input", "backward_weight", "forward_fused",
-                                       "backward_fused")}
-            output = None
-            for rep in range(args.profile_reps + 1):
-                for p in mod.parameters():
-                    p.grad = None
-                xin = inp if s == 0 else detach_input(inp)
-                t0 = time.perf_counter()
-                o, segs = mod.forward_segments(xin)
-                if last:
-                    segs[-1].output = loss_fn(o, y) / m
-                t1 = time.perf_counter()
-                g = None if last else torch.ones_like(o)  # the output gradient a later stage would send
-                t1b = time.perf_counter()
-                pending, _ = backward_input(segs, g)
-                t2 = time.perf_counter()
-                backward_weight(pending)
-                t3 = time.perf_counter()
-                output = o.detach()
-                del segs, pending
-                for p in mod.parameters():
-                    p.grad = None
-                xin = inp if s == 0 else detach_input(inp)
-                t4 = time.perf_counter()
-                o = mod.forward_chunk(None, xin)
-                target = loss_fn(o, y) / m if last else o
-                t5 = time.perf_counter()
-                backward_fused(target, g)
-                t6 = time.perf_counter()
-                if rep:
-                    for k, v in zip(samples, (t1 - t0, t2 - t1b, t3 - t2, t5 - t4, t6 - t5)):
-                        samples[k].append(v)
-            rows.append({k: statistics.median(v) for k, v in samples.items()})
-            inp = output
-            del mod
-        out[str(n)] = rows
-    return out
+    mod = _zs_stage_module(args, kind, n, s)
+    if args.precision == "bf16":
+        mod.to(torch.bfloat16)
+    last = s == n - 1
+    inp = x if s == 0 else _stage_input(args, kind, x.shape[0])
+    samples = {k: [] for k in ("forward", "backward_input", "backward_weight", "forward_fused", "backward_fused")}
+    for rep in range(args.profile_reps + 1):
+        for p in mod.parameters():
+            p.grad = None
+        xin = inp if s == 0 else detach_input(inp)
+        t0 = time.perf_counter()
+        o, segs = mod.forward_segments(xin)
+        if last:
+            segs[-1].output = loss_fn(o, y) / m
+        t1 = time.perf_counter()
+        g = None if last else torch.ones_like(o)  # the output gradient the next stage would send
+        t2 = time.perf_counter()
+        pending, _ = backward_input(segs, g)
+        t3 = time.perf_counter()
+        backward_weight(pending)
+        t4 = time.perf_counter()
+        del segs, pending, o
+        for p in mod.parameters():
+            p.grad = None
+        xin = inp if s == 0 else detach_input(inp)
+        t5 = time.perf_counter()
+        o = mod.forward_chunk(None, xin)
+        target = loss_fn(o, y) / m if last else o
+        t6 = time.perf_counter()
+        backward_fused(target, g)
+        t7 = time.perf_counter()
+        if rep:
+            for k, v in zip(samples, (t1 - t0, t3 - t2, t4 - t3, t6 - t5, t7 - t6)):
+                samples[k].append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def held_stages(schedule: str, rank: int) -> tuple[int, list[int]]:
+    """(model stages in all, those on pipeline rank `rank`) for a zerospeed schedule name's layout."""
+    from zerospeed.pipe.schedule import SCHEDULE_LAYOUTS
+
+    layout = SCHEDULE_LAYOUTS[schedule]
+    if layout == "one":
+        return P, [rank]
+    return 2 * P, [rank, rank + P] if layout == "interleaved" else [rank, 2 * P - 1 - rank]
+
+
+def profile_stages(args, kind: str, m: int, mbs: list) -> dict:
+    """The one-process launch: every model stage of 2 and of 4, one after another. {"2": [per stage], "4": ...}."""
+    x, y = mbs[0]
+    return {str(n): [time_stage(args, kind, m, n, s, x, y) for s in range(n)] for n in (P, 2 * P)}
+
+
+def profile_own_stages(args, kind: str, m: int, mbs: list, sim_schedule: str) -> dict:
+    """A pipeline launch, after training: every rank times the model stages it holds in `sim_schedule`'s layout,
+    all ranks at once (as busy as the machine is during the pipeline). {"n": [per model stage]}."""
+    import torch.distributed as dist
+
+    n, mine = held_stages(sim_schedule, dist.get_rank())
+    x, y = mbs[0]
+    local = {s: time_stage(args, kind, m, n, s, x, y) for s in mine}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {k: v for d in gathered for k, v in d.items()}
+    return {str(n): [merged[s] for s in range(n)]}
 
 
 def worker(args) -> int:
@@ -554,8 +585,11 @@ def worker(args) -> int:
                   "pipeline_s": [max(r[i] for r in span_r) for i in range(total)],
                   "compute_s": comp_r, "opt_s": opt_r, "losses": loss_r[0],
                   "peak_rss_bytes": [r[0] for r in per_rank]}
+        sim = SIM_SCHEDULE.get((args.system, args.schedule))
         if args.system == "reference":
             result["stage_times"] = profile_stages(args, args.model, args.n_micro, mbs[0])
+        elif sim:
+            result["stage_times"] = profile_own_stages(args, args.model, args.n_micro, mbs[0], sim)
         code = 0
     except Exception as e:  # noqa: BLE001 - a refusal or failure is a table row
         result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
@@ -708,12 +742,9 @@ def measured_bubble(run: dict) -> float | None:
 
 
 def _stage_table(profiles: list[dict]) -> dict:
-    """The median over repeats of every stage time: {"2": [...], "4": [...]}."""
-    out = {}
-    for n in ("2", "4"):
-        out[n] = [{k: statistics.median(p[n][s][k] for p in profiles) for k in profiles[0][n][s]}
-                  for s in range(len(profiles[0][n]))]
-    return out
+    """The median over repeats of every stage time: {"2": [...], "4": [...]} (the keys the launches have)."""
+    return {n: [{k: statistics.median(p[n][s][k] for p in profiles) for k in profiles[0][n][s]}
+                for s in range(len(profiles[0][n]))] for n in profiles[0]}
 
 
 def simulate_row(stage_times: dict, name: str, m: int):

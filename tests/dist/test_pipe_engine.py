@@ -15,7 +15,7 @@ import zerospeed
 from zerospeed.config import ConfigError
 from zerospeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from zerospeed.testing.parity import max_rel_diff
-from zerospeed.testing.spawn import run_distributed
+from zerospeed.testing.spawn import RankFailure, run_distributed
 
 STEPS, MICRO, GAS, WIDTH = 6, 2, 4, 16
 OPTIMIZERS = {"sgd": ({"type": "SGD", "params": {"lr": 0.1}}, 0.0),
@@ -256,6 +256,24 @@ def misuse(rank, world):
         zerospeed.initialize(model=PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss()),
                              config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     return True
+
+
+def mismatched_shapes(rank, world):
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
+    engine, *_ = zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": MICRO,
+                                                            "gradient_accumulation_steps": GAS,
+                                                            "optimizer": OPTIMIZERS["sgd"][0]})
+    batches = _rank_batches(*_data(1), 1, 0)[:GAS]
+    batches[1] = (batches[1][0][:1], batches[1][1][:1])  # a short micro-batch in the middle
+    engine.train_batch(iter(batches))
+
+
+def test_pipeline_mismatched_activation_shapes_are_named_not_hung():
+    """A micro-batch of another shape: the sending stage raises naming itself and both shapes; its neighbour,
+    blocked in a receive, is stopped (no hang)."""
+    with pytest.raises(RankFailure, match=r"pipeline stage 0 produced an activation \[1, 32\] torch.float32, but "
+                                          r"earlier micro-batches had \[2, 32\] torch.float32"):
+        run_distributed(mismatched_shapes, 2, timeout=60)
 
 
 def test_pipeline_misuse_errors():

@@ -412,3 +412,19 @@ def test_dualpipev_needs_two_micro_batches_per_stage():
 
     with pytest.raises(ValueError, match="at least 2 x num_stages = 6 micro-batches, got 5"):
         dualpipev(3, 5)
+
+
+def test_pipe_schedule_cli_prints_every_schedule_and_the_best(capsys):
+    from zerospeed.cli import main
+
+    assert main(["pipe-schedule", "--stages", "4", "--microbatches", "8", "--forward", "1",
+                 "--backward-input", "1", "--backward-weight", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip().replace(" (best)", ""): line for line in out.splitlines()
+            if line.startswith("| ") and "schedule" not in line and "---" not in line}
+    assert sorted(rows) == sorted(["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev"])
+    assert "| 33 | 27.3% |" in rows["1f1b"]  # (p - 1) / (m + p - 1) = 3 / 11 with T_F = T_B = T_W
+    best, result = best_schedule(4, 8, StageTimes(1.0, 1.0, 1.0))
+    assert f'"pipeline": {{"schedule": "{best}"}}' in out and "(best)" in rows[best]
+    assert main(["pipe-schedule", "--stages", "2", "--microbatches", "4", "--forward", "1,2,3"]) == 2
+    assert "--forward takes one time >= 0 or 2 comma-separated ones" in capsys.readouterr().out

@@ -479,7 +479,8 @@ def candidate_schedules(num_stages: int, num_microbatches: int, *,
     """The implemented schedules that apply to these sizes, by name, as zero-argument builders.
 
     ``interleaved_1f1b`` is included only when ``num_stages > 1`` and ``num_microbatches`` is a
-    multiple of ``num_stages`` (with ``chunks`` chunks per rank); ``zb_v`` always (two chunks).
+    multiple of ``num_stages`` (with ``chunks`` chunks per rank); ``zb_v`` always (two chunks);
+    ``dualpipev`` when ``num_microbatches >= 2 * num_stages``.
     """
     _check_sizes(num_stages, num_microbatches, chunks)
     out: dict[str, Callable[[], Schedule]] = {

@@ -272,7 +272,8 @@ def best_schedule(num_stages: int, num_microbatches: int, times: StageTimes | No
     """The fastest implemented schedule for these sizes and times: ``(name, Result)``.
 
     Candidates: ``candidate_schedules(num_stages, num_microbatches, chunks=chunks)`` (gpipe, 1f1b,
-    zb_h1, and interleaved_1f1b when the micro-batches divide). Ties on step time go to the lower
+    zb_h1, zb_v, interleaved_1f1b when the micro-batches divide, dualpipev with at least 2 x stages of
+    them). Ties on step time go to the lower
     peak activations, then to the earlier name in that order. Raises ValueError on sizes < 1.
     """
     best: tuple[str, Result] | None = None
