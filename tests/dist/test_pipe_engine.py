@@ -14,6 +14,7 @@ from torch import nn
 import zerospeed
 from zerospeed.config import ConfigError
 from zerospeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
+from zerospeed.testing.models import ApplyMask, WithMask
 from zerospeed.testing.parity import max_rel_diff
 from zerospeed.testing.spawn import RankFailure, run_distributed
 
@@ -25,23 +26,6 @@ OPTIMIZERS = {"sgd": ({"type": "SGD", "params": {"lr": 0.1}}, 0.0),
 def _head(module, x):
     """The tied input layer used as the output head (the transposed weight, as a language model's lm_head)."""
     return x @ module.weight
-
-
-class WithMask(nn.Module):
-    """x -> (x, integer mask): a tuple activation, one tensor with gradient and one without."""
-
-    def forward(self, x):
-        return x, (x > 0).long()
-
-
-class ApplyMask(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, pair):
-        x, mask = pair
-        return self.lin(x) * (1 + mask)
 
 
 def _layers(kind="plain"):

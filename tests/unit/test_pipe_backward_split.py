@@ -10,23 +10,7 @@ from zerospeed.pipe import LayerSpec, PipelineModule
 from zerospeed.pipe.backward_split import backward_fused, backward_input, backward_weight
 from zerospeed.pipe.schedule import Backward, BackwardWeight, gpipe, one_f_one_b, zb_h1
 from zerospeed.runtime.pipe_engine import reduction_window
-
-
-class WithMask(nn.Module):
-    """x -> (x, integer mask): a tuple activation whose second tensor carries no gradient."""
-
-    def forward(self, x):
-        return x, (x > 0).long()
-
-
-class ApplyMask(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, pair):
-        x, mask = pair
-        return self.lin(x) * (1 + mask)
+from zerospeed.testing.models import ApplyMask, WithMask
 
 
 def _layers(kind):

@@ -429,16 +429,12 @@ class DualPipeVModule(PipelineModule):
     gradient_accumulation_steps >= 2 x num_stages.
     """
 
-    def __init__(self, layers: Iterable[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
-                 loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable[[int], Any] | None = None,
-                 base_seed: int = 1234, partition_method: str | list[int] = "parameters",
-                 activation_checkpoint_interval: int = 0,
-                 activation_checkpoint_func: Callable = torch.utils.checkpoint.checkpoint,
-                 checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False, *,
-                 stage_id: int | None = None):
-        super().__init__(layers, num_stages, topology, loss_fn, seed_layers, seed_fn, base_seed, partition_method,
-                         activation_checkpoint_interval, activation_checkpoint_func, checkpointable_layers,
-                         dynamic_shape, stage_id=stage_id, chunks=2, chunk_layout="v")
+    def __init__(self, *args: Any, **kwargs: Any):
+        for fixed in ("chunks", "chunk_layout"):
+            if fixed in kwargs:
+                raise PipelineError(f"DualPipeVModule takes no {fixed}= (it is always 2 chunks in a V); use "
+                                    "PipelineModule(..., chunks=, chunk_layout=) for another layout")
+        super().__init__(*args, **kwargs, chunks=2, chunk_layout="v")
 
     def stage_owner(self, layer_idx: int) -> int:
         """The pipeline rank holding global layer `layer_idx` (DeepSpeed's DualPipeVModule.stage_owner)."""

@@ -194,3 +194,23 @@ def tiny_hf_llama(seed: int = 0, n_layer: int = 2, tie: bool = False):
                                    tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg)
+
+
+class WithMask(nn.Module):
+    """x -> (x, (x > 0) as int64): a pipeline layer whose output is a tuple of a tensor with gradient and an
+    integer tensor without (a mask or token ids passing between stages)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, (x > 0).long()
+
+
+class ApplyMask(nn.Module):
+    """(x, mask) -> Linear(x) * (1 + mask): consumes WithMask's tuple; width = x's last dimension."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, mask = pair
+        return self.lin(x) * (1 + mask)
