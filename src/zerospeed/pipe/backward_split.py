@@ -7,24 +7,31 @@ waits for until the optimizer step), so W can fill the pipeline's bubbles.
 How: the stage's forward runs as *segments* (one layer, or one activation-checkpointed block, each) whose
 inputs are detached leaves (`PipelineModule.forward_segments`). B walks the segments from last to first,
 taking each segment's input gradient from its output gradient with `torch.autograd.grad(..., inputs=segment
-inputs)`, which computes no weight gradient; it keeps each segment's output gradient. W then runs
-`torch.autograd.backward(segment output, output gradient, inputs=segment parameters)` per segment, which
-computes only weight gradients and accumulates them into `.grad` through autograd's own AccumulateGrad, so
-post-accumulate-grad hooks (the ZeRO reduction) fire as in a fused backward. Both passes together do the
-fused backward's arithmetic, except inside a segment holding several weighted operations in a chain (a
-transformer block): there W recomputes the segment's internal activation gradients (B pruned the weight
-branches, W cannot reuse B's internal gradients). A list of single Linear layers costs nothing extra.
-torch.distributed.pipelining instead splits at autograd-graph nodes (`_backward.stage_backward_input`),
-which avoids that recomputation at the price of walking the graph each micro-batch; these are public
-autograd calls only.
+inputs)`, which computes no weight gradient. W then runs `torch.autograd.backward(..., inputs=parameters)`,
+which computes only weight gradients and accumulates them into `.grad` through autograd's own AccumulateGrad,
+so post-accumulate-grad hooks (the ZeRO reduction) fire as in a fused backward.
+
+A segment of one leaf module (an `nn.Linear`) needs nothing more: W starts from the segment's output. In a
+segment with weighted operations in a chain (a transformer block), W from the output would recompute the
+block's internal activation gradients, which B already computed. So for those, B also keeps the gradient
+arriving at each *intermediate* node: the first node, on the way from a parameter towards the output, that
+also depends on the segment's input (a Linear's AddmmBackward, where the weight meets the activation); W
+then starts from those nodes, one `backward` per group of parameters sharing intermediates, and computes
+only the weight branches: together B and W do the fused backward's arithmetic. This is
+torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight` algorithm (its
+`get_param_groups`), redone with public autograd calls (`Node.register_prehook`, `GradientEdge`) and with W
+accumulating through autograd, not assigning `.grad`, so the hooks fire. A parameter whose gradient does
+not depend on the segment's input (none, on the first stage's first segment) makes W start from the output.
 
 The values equal a fused backward's (the same products, summed in the same order per parameter).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .p2p import Activation, as_tuple
 
@@ -34,16 +41,72 @@ __all__ = ["Segment", "PendingWeights", "detach_input", "backward_fused", "backw
 @dataclass
 class Segment:
     """One piece of a stage's forward: `inputs` are the detached leaves it started from (as a tuple, the
-    floating ones requiring grad), `output` what it returned, `params` the trainable parameters it used."""
+    floating ones requiring grad), `output` what it returned, `params` the trainable parameters it used,
+    `capture`: it holds more than one leaf module with parameters, so B keeps intermediate gradients."""
     inputs: tuple
     output: Activation
     params: list[torch.nn.Parameter]
+    capture: bool = False
 
 
 @dataclass
 class PendingWeights:
-    """What B leaves for W: per segment, the differentiable outputs, their gradients and the parameters."""
-    items: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.nn.Parameter]]] = field(default_factory=list)
+    """What B leaves for W: per parameter group, where W starts (output tensors or intermediate gradient
+    edges), the gradients there, and the parameters."""
+    items: list[tuple[list, list, list[torch.nn.Parameter]]] = field(default_factory=list)
+
+
+def _reverse_edges(roots: list) -> dict:
+    """node -> the nodes that take its output (the graph from the outputs' grad_fns, edges reversed)."""
+    parents: dict = {}
+    todo = [n for n in roots if n is not None]
+    for n in todo:
+        parents.setdefault(n, [])
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                todo.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _closure(starts: list, parents: dict, stop: set) -> tuple[set, set]:
+    """(nodes reached from `starts` following `parents`, without entering `stop`; the `stop` nodes met)."""
+    seen, met, todo = set(starts), set(), list(starts)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen, met
+
+
+def _weight_groups(outs: list[torch.Tensor], inputs: list[torch.Tensor], params: list) -> list | None:
+    """[(intermediate nodes, parameters)] whose weight gradients can start from the intermediates, or None
+    when some parameter's gradient does not depend on the inputs (W then starts from the outputs)."""
+    parents = _reverse_edges([t.grad_fn for t in outs])
+    input_nodes = [get_gradient_edge(t).node for t in inputs]
+    dependent, _ = _closure([n for n in input_nodes if n in parents], parents, set())
+    groups: list[tuple[set, list]] = []
+    for p in params:
+        node = get_gradient_edge(p).node
+        if node not in parents:
+            continue  # unused in this segment: no gradient
+        _, met = _closure([node], parents, dependent)
+        if not met:
+            return None
+        joined = [g for g in groups if g[0] & met]
+        for g in joined:
+            groups.remove(g)
+            met |= g[0]
+        groups.append((met, [q for g in joined for q in g[1]] + [p]))
+    return groups
 
 
 def detach_input(x: Activation) -> Activation:
@@ -74,20 +137,31 @@ def backward_fused(output: Activation, grads) -> None:
 
 def backward_input(segments: list[Segment], grads) -> tuple[PendingWeights, tuple | None]:
     """B: from the gradient of the last segment's output (None: the output is the loss), the gradient of the
-    first segment's inputs, set as their `.grad` and returned as a tuple (None if they need none); the
-    per-segment output gradients are kept for `backward_weight`. Each segment's graph is kept only if W
-    will need it (the segment has parameters)."""
+    first segment's inputs, set as their `.grad` and returned as a tuple (None if they need none); what W
+    needs is kept for `backward_weight` (the output gradients, or for a segment with `capture` the gradients
+    at its intermediate nodes). Each segment's graph is kept only if W will need it (it has parameters)."""
     pending = PendingWeights()
     for seg in reversed(segments):
         outs, gs = _differentiable(seg.output, grads)
-        if seg.params and outs:
-            pending.items.append((outs, gs, seg.params))
         wanted = [t for t in seg.inputs if torch.is_tensor(t) and t.requires_grad]
+        groups = _weight_groups(outs, wanted, seg.params) if seg.capture and seg.params and outs and wanted else None
+        if groups is None and seg.params and outs:
+            pending.items.append((outs, gs, seg.params))
         if not wanted:
             grads = None
             continue
-        dx = torch.autograd.grad(outs, wanted, gs, retain_graph=bool(seg.params), allow_unused=True) if outs \
-            else [None] * len(wanted)
+        saved: dict = {}
+        handles = [n.register_prehook(functools.partial(_keep, saved, n)) for g in groups or () for n in g[0]]
+        try:
+            dx = torch.autograd.grad(outs, wanted, gs, retain_graph=bool(seg.params), allow_unused=True) if outs \
+                else [None] * len(wanted)
+        finally:
+            for h in handles:
+                h.remove()
+        for nodes, params in groups or ():
+            edges = [(GradientEdge(n, i), g) for n in nodes for i, g in enumerate(saved.get(n, ())) if g is not None]
+            if edges:
+                pending.items.append(([e for e, _ in edges], [g for _, g in edges], params))
         it = iter(dx)
         grads = tuple(next(it) if torch.is_tensor(t) and t.requires_grad else None for t in seg.inputs)
     if segments:
@@ -97,8 +171,14 @@ def backward_input(segments: list[Segment], grads) -> tuple[PendingWeights, tupl
     return pending, grads
 
 
+def _keep(saved: dict, node, grad_outputs):
+    """A prehook: remember the gradients arriving at `node` during B (it returns None: nothing changes)."""
+    saved[node] = grad_outputs
+
+
 def backward_weight(pending: PendingWeights) -> None:
-    """W: the weight gradients of every segment B recorded, accumulated into `.grad` (hooks fire)."""
-    for outs, gs, params in pending.items:
-        torch.autograd.backward(outs, gs, inputs=params)
+    """W: the weight gradients B left pending, accumulated into `.grad` (hooks fire), one group after another
+    (each from its own starting points, so no group's backward walks into another's)."""
+    for starts, gs, params in pending.items:
+        torch.autograd.backward(starts, gs, inputs=params, retain_graph=True)
     pending.items.clear()

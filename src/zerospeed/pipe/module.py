@@ -398,9 +398,19 @@ class PipelineModule(nn.Module):
             inputs = x if isinstance(x, tuple) else (x,)
             out = self.activation_checkpoint_func(func, *inputs, **kwargs) if checkpointable else func(*inputs)
             if segments is not None:
-                segments.append(Segment(inputs, out, self._segment_params(start, stop)))
+                segments.append(Segment(inputs, out, self._segment_params(start, stop), self._compound(start, stop)))
             x = out
         return x
+
+    def _compound(self, start: int, stop: int) -> bool:
+        """Whether forward_funcs[start:stop] hold more than one module with parameters of its own (a block,
+        several layers): their split backward keeps intermediate gradients (`pipe.backward_split`)."""
+        weighted = 0
+        for f in self.forward_funcs[start:stop]:
+            module = f.args[0] if isinstance(f, partial) and f.args and isinstance(f.args[0], nn.Module) else f
+            if isinstance(module, nn.Module):
+                weighted += sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
+        return weighted > 1 or any(isinstance(f, partial) for f in self.forward_funcs[start:stop])
 
     def _segment_params(self, start: int, stop: int) -> list[torch.nn.Parameter]:
         """The distinct trainable parameters of forward_funcs[start:stop] (a tied module's too)."""
