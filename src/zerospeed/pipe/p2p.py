@@ -5,7 +5,8 @@ sends to a peer, it sends a header describing the activation: ``[count, (dtype i
 (preceded by its length); the receiver caches it, so every later micro-batch is one message per tensor
 (DeepSpeed's ``_send_tensor_meta`` / ``_recv_tensor_meta`` exchange, done once per link as its
 ``pipe_recv_buf``). Every micro-batch must then have the same shapes and dtypes; a change is an error
-naming the stage. Gradients flow back for the floating-point tensors only (integer tensors, such as masks
+naming the stage, unless the module was built with ``dynamic_shape=True`` (DeepSpeed's flag): then every
+activation is preceded by its header's length, 0 when nothing changed, so shapes may vary per micro-batch. Gradients flow back for the floating-point tensors only (integer tensors, such as masks
 or token ids, pass forward without gradients), in tuple order; a floating input that took no part in the
 backward sends zeros. Messages between two ranks match in posting order (gloo and NCCL both), so one
 header per direction and link is enough.
@@ -49,8 +50,10 @@ class ActivationLink:
     `pending` until `wait_sends()`.
     """
 
-    def __init__(self, group, device: torch.device, stage: int, logger: CommsLogger | None = None):
+    def __init__(self, group, device: torch.device, stage: int, logger: CommsLogger | None = None, *,
+                 dynamic_shape: bool = False):
         self.group, self.device, self.stage, self.logger = group, device, stage, logger
+        self.dynamic_shape = dynamic_shape  # a header with every activation (DeepSpeed's dynamic_shape)
         self.pending: list[CommHandle] = []
         self._sent: dict[int, tuple] = {}      # peer -> (is tuple, ((shape, dtype), ...)) sent in the header
         self._expected: dict[int, tuple] = {}  # peer -> the header received from it
@@ -74,7 +77,7 @@ class ActivationLink:
                             "only a tensor or a tuple of tensors can pass between stages")
         meta = (isinstance(x, tuple), tuple((tuple(t.shape), t.dtype) for t in xs))
         sent = self._sent.get(peer)
-        if sent is None:  # first message on this link: tell the peer what to expect
+        if sent is None or (self.dynamic_shape and meta != sent):  # tell the peer what to expect
             head = [len(xs)]
             for t in xs:
                 if t.dtype not in _DTYPES:
@@ -85,18 +88,21 @@ class ActivationLink:
             self._send(torch.tensor([head.numel()], dtype=torch.int64), peer)
             self._send(head, peer)
             self._sent[peer] = meta
+        elif self.dynamic_shape:
+            self._send(torch.zeros(1, dtype=torch.int64), peer)  # header length 0: the same shapes as before
         elif meta != sent:
             raise RuntimeError(f"pipeline stage {self.stage} produced an activation {_describe(meta)}, but earlier "
                                f"micro-batches had {_describe(sent)}: every micro-batch must have the same shapes "
-                               "and dtypes (pad or drop the last batch)")
+                               "and dtypes (pad or drop the last batch), or build the PipelineModule with "
+                               "dynamic_shape=True")
         for t in xs:
             self._send(t.detach(), peer)
 
     def recv_activation(self, peer: int) -> Activation:
         """The next activation from `peer`: fresh leaf tensors, the floating ones requiring grad."""
         meta = self._expected.get(peer)
-        if meta is None:
-            n = self._recv((1,), torch.int64, peer)
+        n = self._recv((1,), torch.int64, peer) if meta is None or self.dynamic_shape else 0
+        if int(n):
             head = self._recv((int(n),), torch.int64, peer).tolist()
             is_tuple, count, pos, specs = bool(head[0]), head[1], 2, []
             for _ in range(count):

@@ -79,7 +79,8 @@ class PipelineEngine(ZeroSpeedEngine):
         self._split = any(isinstance(a, BackwardInput) for a in self._actions)
         self._window = reduction_window(self._actions)
         self._last_model_stage = len(self._rank_of) - 1
-        self._link = ActivationLink(pipe_group, self.device, self.stage_id, self.comms_logger)
+        self._link = ActivationLink(pipe_group, self.device, self.stage_id, self.comms_logger,
+                                    dynamic_shape=module.dynamic_shape)
 
     # -- DeepSpeed's accessors ------------------------------------------------------------------
     def is_first_stage(self) -> bool:
