@@ -78,10 +78,12 @@ under the contention of the pipeline's own two processes (the prediction the tar
 the one-process launch, every stage of 2 and of 4 one after another (one core busy; a second column). A
 schedule's per-rank StageTimes sum its rank's model stages (2 stages: stage r; interleaved: r and r + 2; V: r
 and 3 - r); a schedule with a fused backward gets backward_input = the fused backward, backward_weight = 0;
-send latency 0. (c) A third column feeds the simulator the forward / backward / weight seconds per
-micro-batch timed inside the run itself (the compute timers above, per rank / m): it tests the schedule model
-alone (dependencies, no message latency, no engine overhead), apart from how well a stage timed alone predicts
-the stage inside the pipeline.
+send latency: one activation message between the ranks, measured in each pipeline launch after training
+(half the median round trip of the activation tensor; `message_latency`). (c) A third column feeds the
+simulator the forward / backward / weight seconds per micro-batch timed inside the run itself (the compute
+timers above, per rank / m), with the same measured send latency: it tests the schedule model alone
+(dependencies and messages, no engine overhead), apart from how well a stage timed alone predicts the stage
+inside the pipeline.
 `simulate(build_schedule(...), times).step_time` is the predicted pipeline time, compared with the measured
 one (the optimizer is not simulated). DeepSpeed and torch rows are predicted with the zerospeed schedule of
 the same order (DeepSpeed 1F1B, torch 1F1B -> 1f1b; torch Interleaved1F1B -> interleaved_1f1b; torch
@@ -571,6 +573,28 @@ def profile_stages(args, kind: str, m: int, mbs: list) -> dict:
     return {str(n): [time_stage(args, kind, m, n, s, x, y) for s in range(n)] for n in (P, 2 * P)}
 
 
+def message_latency(args, kind: str, mb: int, reps: int = 20) -> float:
+    """Seconds for one activation message between the two ranks over gloo (the stage-to-stage send the
+    simulator's `send_latency` stands for): half the median round trip of `_stage_input`'s tensor, measured
+    in the pipeline launch itself."""
+    import torch.distributed as dist
+
+    t = _stage_input(args, kind, mb)
+    rank, rtts = dist.get_rank(), []
+    for i in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        if i >= 2:
+            rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts) / 2
+
+
 def profile_own_stages(args, kind: str, m: int, mbs: list, sim_schedule: str) -> dict:
     """A pipeline launch, after training: every rank times the model stages it holds in `sim_schedule`'s layout,
     all ranks at once (as busy as the machine is during the pipeline). {"n": [per model stage]}."""
@@ -629,6 +653,7 @@ def worker(args) -> int:
             result["stage_times"] = profile_stages(args, args.model, args.n_micro, mbs[0])
         elif sim:
             result["stage_times"] = profile_own_stages(args, args.model, args.n_micro, mbs[0], sim)
+            result["send_latency_s"] = message_latency(args, args.model, micro_batch_of(args, args.model))
         code = 0
     except Exception as e:  # noqa: BLE001 - a refusal or failure is a table row
         result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
@@ -794,7 +819,7 @@ def _plan(name: str, m: int):
     return build_schedule(name, P, m, chunks=chunks, layout=layout)
 
 
-def simulate_times(name: str, m: int, forward, backward, weight):
+def simulate_times(name: str, m: int, forward, backward, weight, latency: float = 0.0):
     """(simulated pipeline seconds, simulated bubble) of zerospeed schedule `name` at p=P, m, with per-rank
     seconds per micro-batch (each the sum over the rank's chunks): `backward` is the fused backward for a
     schedule without a split (then `weight` is added to it), the input-gradient pass for one with."""
@@ -806,11 +831,11 @@ def simulate_times(name: str, m: int, forward, backward, weight):
     if not any(isinstance(a, BackwardInput) for acts in plan.values() for a in acts):
         backward, weight = [b + w for b, w in zip(backward, weight)], [0.0] * P
     res = simulate(plan, StageTimes(forward=list(forward), backward_input=list(backward),
-                                    backward_weight=list(weight)))
+                                    backward_weight=list(weight), send_latency=latency))
     return res.step_time, res.bubble_fraction
 
 
-def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False):
+def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0):
     """`simulate_times` from per-model-stage times (`time_stage`), summed per rank over its model stages; the
     split times for a split schedule unless `fused` (a system that keeps W inside its backward: DeepSpeed)."""
     from zerospeed.pipe.schedule import BackwardInput
@@ -824,8 +849,9 @@ def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False):
         return [sum(rows[s][key] for s in held[r]) for r in range(P)]
 
     if split and not fused:
-        return simulate_times(name, m, per_rank("forward"), per_rank("backward_input"), per_rank("backward_weight"))
-    return simulate_times(name, m, per_rank("forward_fused"), per_rank("backward_fused"), [0.0] * P)
+        return simulate_times(name, m, per_rank("forward"), per_rank("backward_input"), per_rank("backward_weight"),
+                              latency)
+    return simulate_times(name, m, per_rank("forward_fused"), per_rank("backward_fused"), [0.0] * P, latency)
 
 
 def in_run_times(ok: list[dict]) -> list[list[float]]:
@@ -887,15 +913,16 @@ def aggregate(runs: list[dict]) -> list[dict]:
             continue
         try:  # stage times profiled in this launch (both ranks busy); the one process's; the run's own calls
             fused = row["system"] == "deepspeed"
+            latency = row.get("send_latency_s") or 0.0  # measured in the launch; 0 in runs from before
             if row.get("stage_times"):
-                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused)
+                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency)
                 row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
                 row["sim_error"] = step / row["pipeline_s"] - 1.0
             if ref and ref.get("stage_times"):
-                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused)
+                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency)
                 row["sim_ref_pipeline_s"], row["sim_ref_error"] = step, step / row["pipeline_s"] - 1.0
             if row.get("in_run_times"):
-                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"])
+                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency)
                 row["sim_run_pipeline_s"], row["sim_run_bubble"] = step, bubble
                 row["sim_run_error"] = step / row["pipeline_s"] - 1.0
         except Exception as e:  # noqa: BLE001 - a table cell, not a crash
@@ -1009,11 +1036,12 @@ NOTES = ("samples/s = micro-batch x m / median step (slowest rank, after a barri
          "forward, backward and loss calls; (p-1)/(m+p-1) is 1F1B's ideal with one chunk per rank. Pipeline and "
          "bubble simulated = zerospeed.pipe.simulate, for the zerospeed schedule of the same order (DeepSpeed and "
          "torch rows: approximate, zerospeed's schedule), on the stage times below that this launch measured after "
-         "training (each rank its own model stages, both ranks at once; zerospeed's stage code); error against the "
+         "training (each rank its own model stages, both ranks at once; zerospeed's stage code) and the activation "
+         "message latency measured in the launch; error against the "
          "measured pipeline s. 'one-process stage times': the same on the one-process launch's stage times (one "
          "rank busy); 'in-run compute times': on the forward + backward + weight seconds per micro-batch timed "
-         "inside this run's own calls (the compute column), which tests the schedule model alone (dependencies, "
-         "no message latency, no engine overhead). optimizer s: the fastest rank's optimizer call (the other "
+         "inside this run's own calls (the compute column), which tests the schedule model alone (dependencies "
+         "and messages, no engine overhead). optimizer s: the fastest rank's optimizer call (the other "
          "one's can include waiting for it in the gradient norm's all-reduce over the pipe group). Peak RSS: "
          "ru_maxrss per rank (one process: the whole model in one process). Δ vs one process: final loss minus "
          "the one-process final loss (same data and initial weights; bf16 rows differ by rounding, torch bf16 is "

@@ -44,6 +44,8 @@ def test_split_equals_fused(kind, interval, as_loss):
     x.grad = None
 
     out, segments = module.forward_segments(x)
+    if kind == "plain" and interval == 0:  # Linear + Tanh, Linear + Tanh, Linear: a segment per weighted layer
+        assert [len(seg.params) for seg in segments] == [2, 2, 2]
     if as_loss:
         segments[-1].output = out.pow(2).mean()
     pending, dx = backward_input(segments, None if as_loss else (g,))

@@ -372,7 +372,8 @@ class PipelineModule(nn.Module):
 
     def forward_segments(self, forward_input: Any, model_stage: int | None = None) -> tuple[Any, list]:
         """`forward_chunk`, run as segments whose inputs are detached leaves, for a backward split into input-
-        and weight-gradient passes (`pipe.backward_split`): one segment per layer, or per checkpointed block
+        and weight-gradient passes (`pipe.backward_split`): one segment per layer with parameters (with the
+        parameter-free layers after it), or per checkpointed block
         of `activation_checkpoint_interval` layers. Returns (output, [Segment, ...]); the output equals
         `forward`'s."""
         segments: list = []
@@ -387,11 +388,14 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval == 0 and segments is None:
             return self._exec_range_func(lo, hi, micro_offset)(x)
-        step = interval or 1
-        blocks = self._checkpointable_blocks(interval, lo, hi) if interval else [False] * (hi - lo)
+        if interval:
+            bounds = [(s, min(s + interval, hi)) for s in range(lo, hi, interval)]
+            blocks = self._checkpointable_blocks(interval, lo, hi)
+        else:
+            bounds = self._weighted_runs(lo, hi)
+            blocks = [False] * len(bounds)
         kwargs = {"use_reentrant": False} if _takes_use_reentrant(self.activation_checkpoint_func) else {}
-        for start, checkpointable in zip(range(lo, hi, step), blocks):
-            stop = min(start + step, hi)
+        for (start, stop), checkpointable in zip(bounds, blocks):
             func = self._exec_range_func(start, stop, micro_offset)
             if segments:  # the stage's own input stays the leaf it is (its gradient is sent back)
                 x = detach_input(x)
@@ -401,6 +405,16 @@ class PipelineModule(nn.Module):
                 segments.append(Segment(inputs, out, self._segment_params(start, stop), self._compound(start, stop)))
             x = out
         return x
+
+    def _weighted_runs(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """forward_funcs[lo:hi] cut before each function with parameters (the segments of a split backward
+        without checkpointing: one weighted layer with the parameter-free ones after it, e.g. Linear + ReLU,
+        so W's few element-wise recomputations replace an autograd call per activation layer)."""
+        cache = self.__dict__.setdefault("_weighted_runs_cache", {})
+        if (lo, hi) not in cache:
+            starts = [i for i in range(lo, hi) if i == lo or self._segment_params(i, i + 1)]
+            cache[lo, hi] = list(zip(starts, starts[1:] + [hi]))
+        return cache[lo, hi]
 
     def _compound(self, start: int, stop: int) -> bool:
         """Whether forward_funcs[start:stop] hold more than one module with parameters of its own (a block,
