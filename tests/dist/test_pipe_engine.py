@@ -282,6 +282,23 @@ def test_pipeline_dynamic_shape_takes_micro_batches_of_other_sizes(schedule):
         assert max_rel_diff(losses, one) < 1e-6, (losses, one)
 
 
+def ahead_run(rank, world):
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True)
+    engine, *_ = zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": MICRO,
+                                                            "gradient_accumulation_steps": GAS,
+                                                            "optimizer": OPTIMIZERS["sgd"][0]})
+    it = iter(_rank_batches(*_data(1), 1, 0))
+    for _ in range(STEPS):
+        engine.train_batch(it)
+    return engine._link.received_ahead
+
+
+def test_pipeline_receives_are_posted_ahead():
+    """1F1B at pp 2: each message is received through a receive posted before the computation ahead of it: stage
+    0's 4 gradients per batch, and stage 1's activations but the batch's first (nothing runs before it)."""
+    assert run_distributed(ahead_run, 2, timeout=120) == [STEPS * GAS, STEPS * (GAS - 1)]
+
+
 def test_pipeline_misuse_errors():
     assert run_distributed(misuse, 2, timeout=120) == [True, True]
 

@@ -127,14 +127,22 @@ def start_send(tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | Non
     return _handle("send", work, tensor, logger, started)
 
 
+def start_recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
+               logger: CommsLogger | None = None) -> CommHandle:
+    """Start a point-to-point receive into `tensor` from `src`, its rank in `group`; `tensor` holds the
+    message after `.wait()`. Posting it early lets the transfer run while this rank computes (gloo moves an
+    unbound-buffer message once the receive is posted). Counted as "recv"."""
+    started = time.perf_counter()
+    with record_function("zerospeed::recv"):
+        work = dist.irecv(tensor, group=group, group_src=src)
+    return _handle("recv", work, tensor, logger, started)
+
+
 def recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
          logger: CommsLogger | None = None) -> torch.Tensor:
     """Blocking point-to-point receive into `tensor` from `src`, its rank in `group`; returns `tensor`.
     Counted as "recv"."""
-    started = time.perf_counter()
-    with record_function("zerospeed::recv"):
-        work = dist.irecv(tensor, group=group, group_src=src)
-    _handle("recv", work, tensor, logger, started).wait()
+    start_recv(tensor, src, group=group, logger=logger).wait()
     return tensor
 
 

@@ -17,10 +17,13 @@ from typing import Union
 
 import torch
 
-from ..comm.logger import CommsLogger
-from ..comm.ops import CommHandle, recv, start_send
+from collections import deque
 
-__all__ = ["Activation", "ActivationLink", "as_tuple", "from_tuple", "floating"]
+from ..comm.logger import CommsLogger
+from ..comm.ops import CommHandle, recv, start_recv, start_send
+from .schedule import COMPUTE, RecvActivation, RecvGrad
+
+__all__ = ["Activation", "ActivationLink", "ReceiveAhead", "as_tuple", "from_tuple", "floating"]
 
 Activation = Union[torch.Tensor, tuple]
 
@@ -57,6 +60,8 @@ class ActivationLink:
         self.pending: list[CommHandle] = []
         self._sent: dict[int, tuple] = {}      # peer -> (is tuple, ((shape, dtype), ...)) sent in the header
         self._expected: dict[int, tuple] = {}  # peer -> the header received from it
+        self._posted: dict[int, deque] = {}    # peer -> receives posted ahead, in posting order
+        self.received_ahead = 0                # messages taken from receives posted ahead (a statistic)
 
     def _send(self, t: torch.Tensor, peer: int) -> None:
         self.pending.append(start_send(t.contiguous(), peer, group=self.group, logger=self.logger))
@@ -98,8 +103,42 @@ class ActivationLink:
         for t in xs:
             self._send(t.detach(), peer)
 
+    def can_post_activation(self, peer: int) -> bool:
+        """Whether the next activation from `peer` can be received ahead: its shapes are known."""
+        return not self.dynamic_shape and peer in self._expected
+
+    def post_activation(self, peer: int) -> None:
+        """Post the receives of the next activation from `peer` now (`recv_activation` then waits for them)."""
+        meta = self._expected[peer]
+        bufs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[1])
+        handles = [start_recv(b, peer, group=self.group, logger=self.logger) for b in bufs]
+        self._posted.setdefault(peer, deque()).append(("activation", meta[0], bufs, handles))
+
+    def post_grads(self, outputs: Activation, peer: int) -> None:
+        """Post the receives of the gradients of `outputs` from `peer` now (`recv_grads` then waits)."""
+        xs = as_tuple(outputs)
+        bufs = tuple(torch.empty_like(t) if t.is_floating_point() else None for t in xs)
+        handles = [start_recv(b, peer, group=self.group, logger=self.logger) for b in bufs if b is not None]
+        self._posted.setdefault(peer, deque()).append(("grad", None, bufs, handles))
+
+    def _take_posted(self, peer: int, kind: str):
+        queue = self._posted.get(peer)
+        if not queue:
+            return None
+        got, is_tuple, bufs, handles = queue.popleft()
+        if got != kind:  # the executor posts in the schedule's order: a bug, never a user error
+            raise RuntimeError(f"pipeline stage {self.stage}: expected a posted {kind} receive from {peer}, found {got}")
+        for h in handles:
+            h.wait()
+        self.received_ahead += 1
+        return is_tuple, bufs
+
     def recv_activation(self, peer: int) -> Activation:
         """The next activation from `peer`: fresh leaf tensors, the floating ones requiring grad."""
+        posted = self._take_posted(peer, "activation")
+        if posted is not None:
+            is_tuple, bufs = posted
+            return from_tuple(tuple(b.requires_grad_(b.is_floating_point()) for b in bufs), is_tuple)
         meta = self._expected.get(peer)
         n = self._recv((1,), torch.int64, peer) if meta is None or self.dynamic_shape else 0
         if int(n):
@@ -122,6 +161,9 @@ class ActivationLink:
     def recv_grads(self, outputs: Activation, peer: int) -> tuple:
         """The gradients of `outputs`' floating tensors from `peer`, one per tensor of `outputs` (None for
         the others), as a tuple."""
+        posted = self._take_posted(peer, "grad")
+        if posted is not None:
+            return posted[1]
         xs = as_tuple(outputs)
         grads: list = [None] * len(xs)
         for i in floating(xs):
@@ -133,3 +175,36 @@ def _describe(meta: tuple) -> str:
     is_tuple, specs = meta
     inner = ", ".join(f"{list(shape)} {dtype}" for shape, dtype in specs)
     return f"({inner})" if is_tuple else inner
+
+
+class ReceiveAhead:
+    """Posts a schedule's receives ahead of the action that takes them, so a message can arrive while this rank
+    computes. Before each computation, `before(i, outputs)` posts, in the schedule's order, the receives
+    between it and the next computation, stopping at the first whose shapes are not known yet (the first
+    activation of a link, whose header comes first; a gradient whose forward has not run; any activation
+    under dynamic_shape). In order, because point-to-point messages between two ranks match in posting order.
+    `rank_of` maps model stages to pipe ranks, as the executor's."""
+
+    def __init__(self, actions: list, link: ActivationLink, rank_of: dict[int, int]):
+        self.actions, self.link, self.rank_of = actions, link, rank_of
+        self.next = 0  # the first receive not posted or taken yet
+
+    def before(self, index: int, outputs: dict) -> None:
+        k = max(self.next, index + 1)
+        while k < len(self.actions) and not isinstance(self.actions[k], COMPUTE):
+            a = self.actions[k]
+            if isinstance(a, RecvActivation):
+                if not self.link.can_post_activation(self.rank_of[a.peer]):
+                    return
+                self.link.post_activation(self.rank_of[a.peer])
+            elif isinstance(a, RecvGrad):
+                out = outputs.get((a.microbatch, a.stage))
+                if out is None:
+                    return
+                self.link.post_grads(out, self.rank_of[a.peer])
+            k += 1
+            self.next = k
+
+    def taken(self, index: int) -> None:
+        """The receive at `index` ran (posted ahead or not)."""
+        self.next = max(self.next, index + 1)

@@ -13,7 +13,8 @@ model stage); `eval_batch` runs the forwards of the same schedule:
   loss scale); with a split schedule it runs as segments (`PipelineModule.forward_segments`); the input of a
   model stage whose predecessor is on the same rank is that one's output, detached (no message).
 * activations (tensors or tuples) and their gradients move with point-to-point messages over the mesh's "pipe"
-  group (`pipe.p2p.ActivationLink`: sends asynchronous, receives blocking, shapes exchanged once).
+  group (`pipe.p2p.ActivationLink`: sends asynchronous, shapes exchanged once); before each computation the
+  receives the next one needs are posted (`pipe.p2p.ReceiveAhead`), so their transfer overlaps it.
 * `Backward` is the fused backward; `BackwardInput` / `BackwardWeight` its two halves (`pipe.backward_split`).
 * the data-parallel reduction: stage 0/1 arm it for the trailing run of each stage's final weight-gradient
   pass (1F1B: the last micro-batch's backward), so it overlaps that backward and gradients accumulate locally
@@ -31,8 +32,8 @@ import torch
 
 from ..comm.ops import all_reduce, broadcast
 from ..pipe.backward_split import backward_fused, backward_input, backward_weight, detach_input
-from ..pipe.p2p import ActivationLink, as_tuple
-from ..pipe.schedule import (Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
+from ..pipe.p2p import ActivationLink, ReceiveAhead, as_tuple
+from ..pipe.schedule import (COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
                              RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
                              build_schedule, stage_owners)
 from .engine import ZeroSpeedEngine
@@ -170,8 +171,11 @@ class PipelineEngine(ZeroSpeedEngine):
         stage's per-micro-batch losses (detached; the outputs when not computing a loss) and the last output."""
         inputs, outputs, targets, grads, pending, labels, results = {}, {}, {}, {}, {}, {}, []
         last, link, split, last_out = self._last_model_stage, self._link, self._split and train, None
+        ahead = ReceiveAhead(actions, link, self._rank_of)
         for i, a in enumerate(actions):
             key = (getattr(a, "microbatch", None), getattr(a, "stage", None))
+            if isinstance(a, COMPUTE):
+                ahead.before(i, outputs)  # the next computation's messages may arrive during this one
             if isinstance(a, LoadMicroBatch):
                 batch = fetched[a.microbatch]
                 x, y = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
@@ -181,6 +185,7 @@ class PipelineEngine(ZeroSpeedEngine):
                     labels[a.microbatch] = None if y is None else _to(y, self.device)
             elif isinstance(a, RecvActivation):
                 inputs[key] = link.recv_activation(self._rank_of[a.peer])
+                ahead.taken(i)
             elif isinstance(a, Forward):
                 if key not in inputs:  # the previous model stage is on this rank: its output, detached
                     inputs[key] = detach_input(outputs.pop((a.microbatch, a.stage - 1)))
@@ -207,6 +212,7 @@ class PipelineEngine(ZeroSpeedEngine):
                 link.send_activation(outputs[key] if train else outputs.pop(key), self._rank_of[a.peer])
             elif isinstance(a, RecvGrad):
                 grads[key] = link.recv_grads(outputs.pop(key), self._rank_of[a.peer])
+                ahead.taken(i)
             elif isinstance(a, Backward):
                 self._before_weights(i)
                 target, grad = targets.pop(key), grads.pop(key, None)
