@@ -896,6 +896,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
                 load=[r["load_avg_1min"] for r in ok])
             if ok[0].get("stage_times"):
                 row["stage_times"] = _stage_table([r["stage_times"] for r in ok])
+            if ok[0].get("send_latency_s") is not None:
+                row["send_latency_s"] = statistics.median(r["send_latency_s"] for r in ok)
             if ranks > 1 and "forward_s" in ok[0]:
                 row["in_run_times"] = in_run_times(ok)
         rows.append(row)
