@@ -270,7 +270,7 @@ def test_validate_shape_errors():
         validate(s, 2, 1)
     s = gpipe(2, 1)
     s[0] = s[0] + ["step"]
-    with pytest.raises(ValueError, match="is not an action of zerospeed.pipe.schedule"):
+    with pytest.raises(ValueError, match="is not an action of zerospeed.pipe.actions"):
         validate(s, 2, 1)
     with pytest.raises(ValueError, match="num_microbatches must be a positive int, got 0"):
         one_f_one_b(2, 0)

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
-from zerospeed.pipe.schedule import (COMM, COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, OptimizerStep,
-                                     RecvActivation, RecvGrad, Schedule, SendActivation, SendGrad,
+from zerospeed.pipe.schedule import (COMM, COMPUTE, MARKERS, Backward, BackwardInput, BackwardWeight, Forward,
+                                     OptimizerStep, RecvActivation, RecvGrad, Schedule, SendActivation, SendGrad,
                                      candidate_schedules, message_key, stage_owners)
 
 PerStage = Union[float, Sequence[float]]
@@ -219,8 +219,8 @@ def _prepare(schedule: Schedule, num_stages: int, num_microbatches: int | None, 
         raise ValueError(f"a schedule is {{rank: [actions]}} with ranks 0..{num_stages - 1}; got ranks {got}")
     for rank, actions in schedule.items():
         for i, a in enumerate(actions):
-            if not isinstance(a, COMPUTE + COMM) and type(a).__module__ != "zerospeed.pipe.schedule":
-                raise _fail(rank, i, a, "is not an action of zerospeed.pipe.schedule")
+            if not isinstance(a, COMPUTE + COMM + MARKERS):
+                raise _fail(rank, i, a, "is not an action of zerospeed.pipe.actions")
     owner = stage_owners(schedule)
     num_model_stages = num_stages * chunks
     missing = sorted(set(range(num_model_stages)) - set(owner))
