@@ -123,6 +123,10 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self._checkpointable_cache: tuple[int, list[bool]] | None = None
+        # forward_funcs ranges -> (trainable parameters, compound) and -> split-backward runs: fixed once built
+        # (the trainable set is fixed at initialize, as the ZeRO strategy's), so not recomputed per micro-batch
+        self._segment_cache: dict[tuple[int, int], tuple[list, bool]] = {}
+        self._runs_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._build()
         self.tied_stage_map = self._index_tied_stages()
 
@@ -402,7 +406,7 @@ class PipelineModule(nn.Module):
             inputs = x if isinstance(x, tuple) else (x,)
             out = self.activation_checkpoint_func(func, *inputs, **kwargs) if checkpointable else func(*inputs)
             if segments is not None:
-                segments.append(Segment(inputs, out, self._segment_params(start, stop), self._compound(start, stop)))
+                segments.append(Segment(inputs, out, *self._segment_info(start, stop)))
             x = out
         return x
 
@@ -410,11 +414,16 @@ class PipelineModule(nn.Module):
         """forward_funcs[lo:hi] cut before each function with parameters (the segments of a split backward
         without checkpointing: one weighted layer with the parameter-free ones after it, e.g. Linear + ReLU,
         so W's few element-wise recomputations replace an autograd call per activation layer)."""
-        cache = self.__dict__.setdefault("_weighted_runs_cache", {})
-        if (lo, hi) not in cache:
-            starts = [i for i in range(lo, hi) if i == lo or self._segment_params(i, i + 1)]
-            cache[lo, hi] = list(zip(starts, starts[1:] + [hi]))
-        return cache[lo, hi]
+        if (lo, hi) not in self._runs_cache:
+            starts = [i for i in range(lo, hi) if i == lo or self._segment_info(i, i + 1)[0]]
+            self._runs_cache[lo, hi] = list(zip(starts, starts[1:] + [hi]))
+        return self._runs_cache[lo, hi]
+
+    def _segment_info(self, start: int, stop: int) -> tuple[list, bool]:
+        """(`_segment_params`, `_compound`) of forward_funcs[start:stop], computed once per range."""
+        if (start, stop) not in self._segment_cache:
+            self._segment_cache[start, stop] = (self._segment_params(start, stop), self._compound(start, stop))
+        return self._segment_cache[start, stop]
 
     def _compound(self, start: int, stop: int) -> bool:
         """Whether forward_funcs[start:stop] hold more than one module with parameters of its own (a block,
