@@ -272,7 +272,8 @@ KINDS = ("forward", "backward", "weight")  # compute; "backward" is fused or inp
 
 class Timer:
     """Seconds inside wrapped calls this step, by kind: "forward" (forward passes and the loss), "backward" (fused
-    backward, or the input-gradient pass), "weight" (deferred weight-gradient pass), "opt" (optimizer step);
+    backward, or the input-gradient pass), "weight" (deferred weight-gradient pass), "opt" (optimizer step),
+    "send" (zerospeed's activation and gradient send calls; `calls` counts them);
     and `opt_start` (perf_counter when the step's first optimizer call began: the end of this rank's pipeline).
     Nested wrapped calls count once (the outermost)."""
 
@@ -281,7 +282,8 @@ class Timer:
         self.reset()
 
     def reset(self):
-        self.seconds = dict.fromkeys(KINDS + ("opt",), 0.0)
+        self.seconds = dict.fromkeys(KINDS + ("opt", "send"), 0.0)
+        self.calls = dict.fromkeys(self.seconds, 0)
         self.opt_start = None
 
     @property
@@ -295,6 +297,7 @@ class Timer:
             if self._depth:
                 return fn(*a, **k)
             self._depth += 1
+            self.calls[kind] += 1
             t0 = time.perf_counter()
             if kind == "opt" and self.opt_start is None:
                 self.opt_start = t0
@@ -412,6 +415,9 @@ class ZeroSpeedRunner:
         mod.forward_segments = timer.wrap(mod.forward_segments, "forward")
         mod.forward_chunk = timer.wrap(mod.forward_chunk, "forward")
         self.engine._optimizer_step = timer.wrap(self.engine._optimizer_step, "opt")
+        link = self.engine._link  # the seconds a rank spends in its send calls: the simulator's send_overhead
+        link.send_activation = timer.wrap(link.send_activation, "send")
+        link.send_grads = timer.wrap(link.send_grads, "send")
         self.has_first, self.has_last = self.engine.is_first_stage(), self.engine.is_last_stage()
 
     def train_step(self, mbs) -> float:
@@ -624,7 +630,7 @@ def worker(args) -> int:
         mbs = load_data(args.data, args.model, args.precision, total, args.n_micro)
         timer = Timer()
         runner = RUNNERS[args.system](args, args.model, args.n_micro, timer)
-        step_s, opt_s, span_s, losses = [], [], [], []
+        step_s, opt_s, span_s, losses, send_s, sends = [], [], [], [], [], []
         kind_s = {k: [] for k in KINDS}
         for i in range(total):
             dist.barrier()
@@ -635,10 +641,13 @@ def worker(args) -> int:
             for k in KINDS:
                 kind_s[k].append(timer.seconds[k])
             opt_s.append(timer.seconds["opt"])
+            send_s.append(timer.seconds["send"])
+            sends.append(float(timer.calls["send"]))
             span_s.append(timer.opt_start - t0 if timer.opt_start is not None else step_s[-1])
             losses.append(loss)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-        steps_r, opt_r, span_r, loss_r = (all_gather_floats(v) for v in (step_s, opt_s, span_s, losses))
+        steps_r, opt_r, span_r, loss_r, send_r, sends_r = (all_gather_floats(v) for v in (step_s, opt_s, span_s,
+                                                                                            losses, send_s, sends))
         kinds_r = {k: all_gather_floats(v) for k, v in kind_s.items()}  # [rank][step]
         per_rank = all_gather_floats([rss, float(runner.n_params)])
         result = {"status": "ok", "n_params": int(sum(r[1] for r in per_rank)),
@@ -647,6 +656,7 @@ def worker(args) -> int:
                   "pipeline_s": [max(r[i] for r in span_r) for i in range(total)],
                   "compute_s": [[sum(kinds_r[k][r][i] for k in KINDS) for i in range(total)] for r in range(world)],
                   **{f"{k}_s": v for k, v in kinds_r.items()}, "opt_s": opt_r, "losses": loss_r[0],
+                  "send_s": send_r, "sends": sends_r,
                   "peak_rss_bytes": [r[0] for r in per_rank]}
         sim = SIM_SCHEDULE.get((args.system, args.schedule))
         if args.system == "reference":
@@ -819,10 +829,11 @@ def _plan(name: str, m: int):
     return build_schedule(name, P, m, chunks=chunks, layout=layout)
 
 
-def simulate_times(name: str, m: int, forward, backward, weight, latency: float = 0.0):
+def simulate_times(name: str, m: int, forward, backward, weight, latency: float = 0.0, overhead: float = 0.0):
     """(simulated pipeline seconds, simulated bubble) of zerospeed schedule `name` at p=P, m, with per-rank
     seconds per micro-batch (each the sum over the rank's chunks): `backward` is the fused backward for a
-    schedule without a split (then `weight` is added to it), the input-gradient pass for one with."""
+    schedule without a split (then `weight` is added to it), the input-gradient pass for one with; `latency` and
+    `overhead` the simulator's send_latency and send_overhead."""
     from zerospeed.pipe import StageTimes
     from zerospeed.pipe.schedule import BackwardInput
     from zerospeed.pipe.simulate import simulate
@@ -831,11 +842,12 @@ def simulate_times(name: str, m: int, forward, backward, weight, latency: float 
     if not any(isinstance(a, BackwardInput) for acts in plan.values() for a in acts):
         backward, weight = [b + w for b, w in zip(backward, weight)], [0.0] * P
     res = simulate(plan, StageTimes(forward=list(forward), backward_input=list(backward),
-                                    backward_weight=list(weight), send_latency=latency))
+                                    backward_weight=list(weight), send_latency=latency, send_overhead=overhead))
     return res.step_time, res.bubble_fraction
 
 
-def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0):
+def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0,
+                 overhead: float = 0.0):
     """`simulate_times` from per-model-stage times (`time_stage`), summed per rank over its model stages; the
     split times for a split schedule unless `fused` (a system that keeps W inside its backward: DeepSpeed)."""
     from zerospeed.pipe.schedule import BackwardInput
@@ -850,8 +862,9 @@ def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, late
 
     if split and not fused:
         return simulate_times(name, m, per_rank("forward"), per_rank("backward_input"), per_rank("backward_weight"),
-                              latency)
-    return simulate_times(name, m, per_rank("forward_fused"), per_rank("backward_fused"), [0.0] * P, latency)
+                              latency, overhead)
+    return simulate_times(name, m, per_rank("forward_fused"), per_rank("backward_fused"), [0.0] * P, latency,
+                          overhead)
 
 
 def in_run_times(ok: list[dict]) -> list[list[float]]:
@@ -861,6 +874,17 @@ def in_run_times(ok: list[dict]) -> list[list[float]]:
     ranks = len(ok[0]["forward_s"])
     return [[statistics.median(statistics.median(r[f"{k}_s"][rank][w:]) for r in ok) / m for rank in range(ranks)]
             for k in KINDS]
+
+
+def send_overhead(ok: list[dict]) -> float | None:
+    """Seconds per send call (zerospeed's activation and gradient sends, timed in the run): the timed steps' send
+    seconds over their sends, per rank; the median over ranks and repeats. None without sends timed."""
+    w, per = ok[0]["warmup"], []
+    for r in ok:
+        for secs, count in zip(r.get("send_s") or [], r.get("sends") or []):
+            if sum(count[w:]):
+                per.append(sum(secs[w:]) / sum(count[w:]))
+    return statistics.median(per) if per else None
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -900,6 +924,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
                 row["send_latency_s"] = statistics.median(r["send_latency_s"] for r in ok)
             if ranks > 1 and "forward_s" in ok[0]:
                 row["in_run_times"] = in_run_times(ok)
+            row["send_overhead_s"] = send_overhead(ok)
         rows.append(row)
     by = {(r["model"], r["precision"], r["m"], r["label"]): r for r in rows if r["status"] == "ok"}
     for row in rows:
@@ -916,15 +941,16 @@ def aggregate(runs: list[dict]) -> list[dict]:
         try:  # stage times profiled in this launch (both ranks busy); the one process's; the run's own calls
             fused = row["system"] == "deepspeed"
             latency = row.get("send_latency_s") or 0.0  # measured in the launch; 0 in runs from before
+            overhead = row.get("send_overhead_s") or 0.0  # zerospeed's sends, timed in the run; 0 for the others
             if row.get("stage_times"):
-                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency)
+                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead)
                 row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
                 row["sim_error"] = step / row["pipeline_s"] - 1.0
             if ref and ref.get("stage_times"):
-                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency)
+                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead)
                 row["sim_ref_pipeline_s"], row["sim_ref_error"] = step, step / row["pipeline_s"] - 1.0
             if row.get("in_run_times"):
-                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency)
+                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency, overhead)
                 row["sim_run_pipeline_s"], row["sim_run_bubble"] = step, bubble
                 row["sim_run_error"] = step / row["pipeline_s"] - 1.0
         except Exception as e:  # noqa: BLE001 - a table cell, not a crash
@@ -937,9 +963,9 @@ def _f(x, spec, none="—"):
 
 
 HEADER = ("| model | prec | m | system | step s | samples/s | vs one process | pipeline s | pipeline simulated s "
-          "(error) | error, one-process stage times | error, in-run compute times | bubble measured | bubble "
-          "simulated | (p-1)/(m+p-1) | optimizer s | compute s/rank (F+B+W per micro-batch, ms) | peak RSS/rank MiB "
-          "| final loss | Δ vs one process |")
+          "(error) | error, stage times timed alone | error, one-process stage times | send ms (call / latency) | "
+          "bubble measured | bubble simulated | (p-1)/(m+p-1) | optimizer s | compute s/rank (F+B+W per "
+          "micro-batch, ms) | peak RSS/rank MiB | final loss | Δ vs one process |")
 
 
 def _pct(x) -> str:
@@ -954,8 +980,10 @@ def markdown_table(rows: list[dict]) -> str:
             msg = (r.get("message") or "").splitlines()[0][:200].replace("|", "/") if r.get("message") else ""
             lines.append(f"{head} {r['status']}: {msg} |" + " — |" * (HEADER.count(" | ") - 4))
             continue
-        sim = (f"{r['sim_pipeline_s']:.3f} ({_pct(r['sim_error'])})" if r.get("sim_pipeline_s") is not None
+        sim = (f"{r['sim_run_pipeline_s']:.3f} ({_pct(r['sim_run_error'])})" if r.get("sim_run_pipeline_s") is not None
                else ("error: " + r["sim_error_message"][:80] if r.get("sim_error_message") else "—"))
+        send = (f"{1e3 * (r.get('send_overhead_s') or 0):.2f} / {1e3 * r['send_latency_s']:.2f}"
+                if r.get("send_latency_s") is not None else "—")
         vs_one = "—" if r["vs_one"] is None else f"{r['vs_one']:.2f}x"
         pipeline = "—" if r["label"] == "one process" else f"{r['pipeline_s']:.3f}"
         compute = " / ".join(f"{c:.3f}" for c in r["compute_s"])
@@ -965,8 +993,8 @@ def markdown_table(rows: list[dict]) -> str:
                                          for k in range(len(f))) + ")"
         lines.append(
             f"{head} {r['step_s']:.3f} | {r['samples_per_s']:,.1f} | {vs_one} | {pipeline} | {sim} | "
-            f"{_pct(r.get('sim_ref_error'))} | {_pct(r.get('sim_run_error'))} | "
-            f"{_f(r['bubble'], '.3f')} | {_f(r.get('sim_bubble'), '.3f')} | {r['ideal_bubble']:.3f} | "
+            f"{_pct(r.get('sim_error'))} | {_pct(r.get('sim_ref_error'))} | {send} | "
+            f"{_f(r['bubble'], '.3f')} | {_f(r.get('sim_run_bubble'), '.3f')} | {r['ideal_bubble']:.3f} | "
             f"{r['opt_s']:.3f} | {compute} | {' / '.join(f'{v:,.0f}' for v in r['peak_rss_mib'])} | "
             f"{r['final_loss']:.4f} | {_f(r['dloss'], '+.1e')} |")
     return "\n".join(lines)
@@ -1004,8 +1032,8 @@ def targets_table(rows: list[dict]) -> str:
         (bz, bz_label), (bd, bd_label), (bt, bt_label) = best["zerospeed"], best["deepspeed"], best["torch"]
         lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.20x best DeepSpeed ({bd_label})", bz, bd, 1.20))
         lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.05x best torch ({bt_label})", bz, bt, 1.05))
-        errs = [(abs(r["sim_error"]), label) for label, r in ok.items()
-                if r["system"] == "zerospeed" and r.get("sim_error") is not None]
+        errs = [(abs(r["sim_run_error"]), label) for label, r in ok.items()
+                if r["system"] == "zerospeed" and r.get("sim_run_error") is not None]
         target = "simulator within 10% of the measured pipeline time (every zerospeed schedule)"
         if errs:
             worst = max(errs)
@@ -1037,13 +1065,15 @@ NOTES = ("samples/s = micro-batch x m / median step (slowest rank, after a barri
          "the loss's reduction). Bubble measured = 1 - Σ_ranks compute / (p x pipeline), compute timed inside the "
          "forward, backward and loss calls; (p-1)/(m+p-1) is 1F1B's ideal with one chunk per rank. Pipeline and "
          "bubble simulated = zerospeed.pipe.simulate, for the zerospeed schedule of the same order (DeepSpeed and "
-         "torch rows: approximate, zerospeed's schedule), on the stage times below that this launch measured after "
-         "training (each rank its own model stages, both ranks at once; zerospeed's stage code) and the activation "
-         "message latency measured in the launch; error against the "
-         "measured pipeline s. 'one-process stage times': the same on the one-process launch's stage times (one "
-         "rank busy); 'in-run compute times': on the forward + backward + weight seconds per micro-batch timed "
-         "inside this run's own calls (the compute column), which tests the schedule model alone (dependencies "
-         "and messages, no engine overhead). optimizer s: the fastest rank's optimizer call (the other "
+         "torch rows: approximate, zerospeed's schedule), on each rank's forward + backward + weight seconds per "
+         "micro-batch timed inside this run's own calls (the compute column), the activation message latency "
+         "measured in the launch and, for zerospeed, the seconds per send call timed in the run (send ms: call / "
+         "latency); error against the measured pipeline s (the target's number). 'stage times timed alone': the "
+         "same prediction on the stage times below, which this launch measured after training (each rank its own "
+         "model stages, both ranks at once; zerospeed's stage code); 'one-process stage times': on the one-process "
+         "launch's (one rank busy). Those two also measure how well a stage timed alone predicts that stage inside "
+         "the pipeline, which on this shared machine drifts by up to 30% between launches. optimizer s: the "
+         "fastest rank's optimizer call (the other "
          "one's can include waiting for it in the gradient norm's all-reduce over the pipe group). Peak RSS: "
          "ru_maxrss per rank (one process: the whole model in one process). Δ vs one process: final loss minus "
          "the one-process final loss (same data and initial weights; bf16 rows differ by rounding, torch bf16 is "

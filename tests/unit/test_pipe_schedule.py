@@ -288,6 +288,19 @@ def test_stage_times_per_stage_and_errors():
     assert simulate(one_f_one_b(3, 4), StageTimes(send_latency=0.5)).step_time > simulate(one_f_one_b(3, 4)).step_time
 
 
+def test_send_overhead_costs_the_sender():
+    # 2 ranks, 1 micro-batch: F0, send (0.25), F1, B1, send grad (0.25), B0; the sends add to the step, not the busy time
+    r = simulate(one_f_one_b(2, 1), StageTimes(1.0, 1.0, 0.0, send_latency=0.5, send_overhead=0.25))
+    assert r.step_time == pytest.approx(1 + 0.25 + 0.5 + 1 + 1 + 0.25 + 0.5 + 1)
+    assert r.per_rank_busy == (2.0, 2.0)
+    assert r.bubble_fraction == pytest.approx(1 - 4 / (2 * r.step_time))
+    # a rank that sends every micro-batch pays m overheads: 1F1B p 2 m 8 grows by >= 8 of them
+    base = simulate(one_f_one_b(2, 8), StageTimes(1.0, 1.0, 0.0)).step_time
+    assert simulate(one_f_one_b(2, 8), StageTimes(1.0, 1.0, 0.0, send_overhead=0.1)).step_time >= base + 8 * 0.1 - 1e-9
+    with pytest.raises(ValueError, match="StageTimes.send_overhead is -1"):
+        simulate(one_f_one_b(2, 1), StageTimes(send_overhead=-1.0))
+
+
 def test_best_schedule():
     times = StageTimes(1.0, 1.0, 1.0)
     name, r = best_schedule(4, 8, times)

@@ -5,9 +5,10 @@ executes its actions in the given order, as early as its dependencies allow) and
 time, bubble fraction, busy time and peak in-flight activations per rank; ``best_schedule`` picks the
 fastest implemented schedule for measured per-stage times.
 
-Execution model (both functions): computations take their stage's time; a send is eager (costs
-nothing, never blocks: batched ``isend``); a receive blocks until the matching send ran and its
-message arrived ``send_latency`` seconds later. Messages between one pair of ranks are matched in
+Execution model (both functions): computations take their stage's time; a send is eager (never
+blocks: ``isend``) but costs the sending rank ``send_overhead`` seconds (the call itself: gloo writes
+the message to its socket in the caller's thread); a receive blocks until the matching send ran and
+its message arrived ``send_latency`` seconds later. Messages between one pair of ranks are matched in
 order (the k-th receive on rank b from rank a takes the k-th send from a to b), as point-to-point
 ops on one process group are. Markers (loads, gradient reduction, optimizer step) take no time.
 """
@@ -33,11 +34,15 @@ class StageTimes:
     costs B + W. With ``chunks`` model chunks per rank (interleaved schedules) each chunk costs
     1/chunks of its rank's time, so one ``StageTimes`` compares every schedule on the same model.
     ``send_latency``: seconds from a send to its message being receivable (default 0).
+    ``send_overhead``: seconds the sending rank spends in each send (default 0): step time, not busy
+    time. Measured on this CPU with gloo: ~0.1 ms per 128 KiB activation to an idle peer, 0.3-0.5 ms
+    inside a running pipeline (bench/bench_pipe.py times it per run).
     """
     forward: PerStage = 1.0
     backward_input: PerStage = 1.0
     backward_weight: PerStage = 1.0
     send_latency: float = 0.0
+    send_overhead: float = 0.0
 
     def _at(self, name: str, rank: int, num_ranks: int) -> float:
         value = getattr(self, name)
@@ -54,8 +59,9 @@ class StageTimes:
             for rank in range(num_ranks):
                 if self._at(name, rank, num_ranks) < 0:
                     raise ValueError(f"StageTimes.{name} is negative on stage {rank}; times are seconds >= 0")
-        if self.send_latency < 0:
-            raise ValueError(f"StageTimes.send_latency is {self.send_latency}; it is seconds >= 0")
+        for name in ("send_latency", "send_overhead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StageTimes.{name} is {getattr(self, name)}; it is seconds >= 0")
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,7 @@ def _run(schedule: Schedule, owner: Mapping[int, int], times: StageTimes, chunks
                                                   f"come in the order of the sends")
                     clock[r] = max(clock[r], at + times.send_latency)
                 elif isinstance(a, (SendActivation, SendGrad)):
+                    clock[r] += times.send_overhead
                     channels.setdefault((r, owner[a.peer]), deque()).append((message_key(a), clock[r]))
                 elif isinstance(a, COMPUTE):
                     f = times._at("forward", r, n) / chunks
