@@ -305,7 +305,13 @@ class ZeroSpeedEngine(nn.Module):
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py)."""
+        """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py; a
+        pipeline's stages: runtime/consolidate_pipe.py)."""
+        from .checkpoint_pipe import PipeTranslation
+
+        if self.mp_world_size > 1 and isinstance(self.checkpoint_translation, PipeTranslation):
+            from .consolidate_pipe import save_16bit_model_pipeline  # every stage's layers, sent to rank 0
+            return save_16bit_model_pipeline(self, save_dir, save_filename, exclude_frozen_parameters)
         if self.mp_world_size > 1 and self.tp_translation is None:  # rank 0 would write its own shards only
             raise NotImplementedError(f"save_16bit_model with model parallelism (model-parallel size "
                                       f"{self.mp_world_size}) is not supported yet: it would write one model "
