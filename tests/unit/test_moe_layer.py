@@ -112,7 +112,8 @@ def test_batch_smaller_than_min_capacity_routes():
 @pytest.mark.parametrize("build,error,match", [
     (lambda: MoE(M, _mlp(), num_experts=6, ep_size=4), ValueError, "num_experts=6 is not divisible by ep_size=4.*"
      "num_experts=4 or 8"),
-    (lambda: MoE(M, _mlp(), num_experts=4, ep_size=2), NotImplementedError, "engine integration"),
+    (lambda: MoE(M, _mlp(), num_experts=4, ep_size=2)(torch.randn(8, M)), RuntimeError,
+     "ep_size=2 but no expert-parallel process group yet: build the engine with zerospeed.initialize"),
     (lambda: MoE(M, _mlp(), num_experts=2, k=3), ValueError, "k=3 routes per token but there are 2 experts"),
     (lambda: MoE(M, _mlp(), num_experts=2, k=0), ValueError, "use 1 <= k <= num_experts"),
     (lambda: MoE(M, _mlp(), num_experts=2, noisy_gate_policy="Gumbel"), ValueError, "'Jitter'"),

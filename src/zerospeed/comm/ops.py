@@ -146,6 +146,18 @@ def recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
     return tensor
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None,
+                      logger: CommsLogger | None = None) -> torch.Tensor:
+    """Blocking all-to-all with equal splits: `input` ([N * k, ...], N ranks in `group`) is cut along dim 0
+    into N chunks, chunk j goes to rank j, and the chunk from rank i lands in `output` ([N * k, ...]) at
+    chunk i. Returns `output`. Counted as "all_to_all" (`input.numel()` elements)."""
+    started = time.perf_counter()
+    with record_function("zerospeed::all_to_all"):
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    _handle("all_to_all", work, input, logger, started).wait()
+    return output
+
+
 # recent torch names the single-tensor collectives *_single (the *_tensor / *_into_tensor names are deprecated)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

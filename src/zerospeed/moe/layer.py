@@ -11,11 +11,12 @@ seeded build draws the same initial weights) as DeepSpeed 0.19.8.
 """
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .experts import Experts, check_expert_output
-from .sharded_moe import EP_NOT_BUILT, MOELayer, TopKGate, _check_gate_args
+from .sharded_moe import MOELayer, TopKGate, _check_gate_args
 
 __all__ = ["MoE"]
 
@@ -32,11 +33,13 @@ class MoE(nn.Module):
     learned 2-way softmax `coefficient` mixes the two outputs. noisy_gate_policy, use_rts,
     top2_2nd_expert_sampling: see `TopKGate`.
 
-    This version runs with ep_size=1 only: every expert on every rank (to the engine, an ordinary
-    module); ep_size > 1 raises NotImplementedError until expert parallelism lands with the engine
-    integration. Accepted because they change nothing at ep_size 1: use_tutel (Tutel is a GPU kernel for
-    the same dispatch) and enable_expert_tensor_parallelism (it only chooses how the expert process
-    groups are built when a tensor-parallel mpu exists).
+    ep_size: expert parallelism (GShard, Lepikhin et al. 2020 §2.2): each of ep_size consecutive
+    data-parallel ranks holds num_experts / ep_size experts (global ids ep_rank x num_local_experts + i)
+    and tokens reach them by all-to-all over the mesh's "expert" group, which `zerospeed.initialize` builds
+    and hands to the layer (`set_deepspeed_parallelism()` does it outside an engine); ep_size 1: every
+    expert on every rank (to the engine, an ordinary module). Accepted because they change nothing here:
+    use_tutel (Tutel is a GPU kernel for the same dispatch) and enable_expert_tensor_parallelism (it only
+    chooses how the expert process groups are built when a tensor-parallel mpu exists).
 
     forward(hidden_states [..., M], used_token=None) -> (output [..., M], l_aux [] fp32, exp_counts [E]
     int64). used_token: one 0/1 flag per token (shape hidden_states.shape[:-1] or flat); unused tokens
@@ -69,9 +72,20 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed's engine calls this to build the expert process groups; with ep_size 1 there is
-        nothing to build (each expert group is one rank), so it does nothing."""
-        del use_data_before_expert_parallel_
+        """Give the layer its expert-parallel group outside `zerospeed.initialize` (which does it itself):
+        groups of ep_size consecutive ranks of the world (`torch.distributed.new_subgroups`; DeepSpeed's
+        default layout, and the mesh's "expert" groups without model parallelism). Collective over the world when ep_size > 1 (it creates process groups);
+        nothing to do at ep_size 1. use_data_before_expert_parallel_=True (DeepSpeed's strided expert
+        groups) raises NotImplementedError."""
+        if use_data_before_expert_parallel_:
+            raise NotImplementedError("use_data_before_expert_parallel_=True (strided expert groups) is not "
+                                      "supported: zerospeed's expert groups are consecutive data-parallel ranks")
+        if self.ep_size > 1:  # consecutive ranks, as the mesh's "expert" groups without model parallelism
+            self.set_ep_group(dist.new_subgroups(group_size=self.ep_size)[0])
+
+    def set_ep_group(self, group) -> None:
+        """Use `group` (ep_size ranks) for this layer's all-to-alls and, with drop_tokens=False, its capacity."""
+        self.deepspeed_moe._set_ep_group(group)
 
     def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if hidden_states.shape[-1] != self.hidden_size:
@@ -103,6 +117,4 @@ def _check_layer_args(hidden_size: int, num_experts: int, ep_size: int) -> None:
         raise ValueError(f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size} (each expert-"
                          f"parallel rank holds num_experts / ep_size experts): use num_experts={hint}, or an "
                          "ep_size that divides num_experts")
-    if ep_size > 1:
-        raise NotImplementedError(f"MoE(ep_size={ep_size}): {EP_NOT_BUILT}")
 

@@ -7,9 +7,8 @@ counts; see `routing.py` for the rules and the papers). `MOELayer` runs GShard's
 
     dispatch_tokens -> exchange_with_experts -> experts -> exchange_with_experts -> combine_tokens
 
-The two exchanges are the expert-parallel all-to-alls; with one expert-parallel rank (the only size this
-increment runs) they are the identity. Expert parallelism will replace them with an `all_to_all_single`
-over the expert process group without touching the other steps.
+The two exchanges are the expert-parallel all-to-alls (`all_to_all_single` over the expert process group,
+whose backward is the same all-to-all); with one expert-parallel rank they are the identity.
 
 Shapes: S tokens, M model (hidden) size, E experts, k routes per token, C capacity.
 """
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..comm.ops import all_to_all_single
 from .routing import (Routes, expert_capacity, gumbel_rsample, multiplicative_jitter, route_top1, route_top2,
                       route_topk)
 
@@ -31,8 +31,9 @@ __all__ = ["top1gating", "top2gating", "topkgating", "TopKGate", "MOELayer", "gu
 
 _log = logging.getLogger(__name__)
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
-EP_NOT_BUILT = ("expert parallelism (ep_size > 1) comes with the engine integration of zerospeed.moe (issue 25); "
-                "this version runs every expert on every rank: use ep_size=1")
+NO_EP_GROUP = ("has ep_size={ep_size} but no expert-parallel process group yet: build the engine with "
+               "zerospeed.initialize(model=...), which gives every MoE layer the mesh's \"expert\" group, or call "
+               "moe.set_deepspeed_parallelism() after torch.distributed.init_process_group")
 
 
 def _output(routes: Routes, sparse_routes: bool):
@@ -190,12 +191,31 @@ def dispatch_tokens(tokens: Tensor, slots: Tensor, num_experts: int, capacity: i
     return padded.index_select(0, source[:rows]).view(num_experts, capacity, model_dim)
 
 
-def exchange_with_experts(buffer: Tensor, ep_group: dist.ProcessGroup | None, ep_size: int) -> Tensor:
-    """The expert-parallel all-to-all of an expert buffer [E, C, M] (GShard Algorithm 2): with ep_size
-    ranks each sends E/ep_size experts' slots to each rank. With ep_size 1 the identity."""
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0 over `group`; its gradient is the same all-to-all of the output's
+    gradient (the exchange is a permutation of chunks between ranks, its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, group, logger, x: Tensor) -> Tensor:
+        ctx.group, ctx.logger = group, logger
+        x = x.contiguous()
+        return all_to_all_single(torch.empty_like(x), x, group=group, logger=logger)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        return None, None, all_to_all_single(torch.empty_like(grad), grad, group=ctx.group, logger=ctx.logger)
+
+
+def exchange_with_experts(buffer: Tensor, ep_group: dist.ProcessGroup | None, ep_size: int, logger=None) -> Tensor:
+    """The expert-parallel all-to-all of an expert buffer (GShard Algorithm 2). Dispatch: [E, C, M] in global
+    expert order, rank j receiving the slots of its E/ep_size experts from every rank, which arrive as
+    [ep_size (source rank), E/ep_size, C, M] flattened; combine: the same exchange of the experts' outputs
+    sends each source rank its slots back, in global expert order. With ep_size 1 the identity. Differentiable
+    (its backward is the same all-to-all). logger: a `CommsLogger` counting the "all_to_all" elements."""
     if ep_size == 1:
         return buffer.contiguous()
-    raise NotImplementedError(EP_NOT_BUILT)
+    return _AllToAll.apply(ep_group, logger, buffer)
 
 
 def combine_tokens(expert_output: Tensor, slots: Tensor, weights: Tensor, num_tokens: int) -> Tensor:
@@ -214,7 +234,9 @@ class MOELayer(nn.Module):
     """GShard's MoE layer (Lepikhin et al. 2020, Algorithm 2): gate, dispatch to expert buffers, experts,
     combine. forward(hidden_states [..., M], used_token=None) -> [..., M]; sets `l_aux` and `exp_counts`.
 
-    ep_size must be 1 in this version (NotImplementedError otherwise). use_tutel=True is accepted and
+    With ep_size > 1 the layer holds num_local_experts = E / ep_size experts and needs its expert process group
+    (`_set_ep_group`, done by `zerospeed.initialize`; a forward without it raises RuntimeError). use_tutel=True
+    is accepted and
     changes nothing: Tutel is a GPU kernel library for the same dispatch (DeepSpeed also proceeds without
     it when it is not installed); zerospeed has no Tutel path.
     """
@@ -222,8 +244,6 @@ class MOELayer(nn.Module):
     def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str | None, ep_size: int,
                  num_local_experts: int, use_tutel: bool = False) -> None:
         super().__init__()
-        if ep_size != 1:
-            raise NotImplementedError(EP_NOT_BUILT)
         self.gate = gate
         self.experts = experts
         self.ep_group = None
@@ -235,16 +255,22 @@ class MOELayer(nn.Module):
             _log.info("use_tutel=True: zerospeed has no Tutel kernels; the standard dispatch gives the same numbers")
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0  # ms, with wall_clock_breakdown
+        self.logger = None  # a CommsLogger counting the all-to-alls (set by zerospeed.initialize)
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
 
     def _set_ep_group(self, ep_group: dist.ProcessGroup | None) -> None:
+        """Use `ep_group` (ep_size ranks, each holding num_local_experts experts) for the all-to-alls. Raises
+        ValueError when its size is not ep_size."""
         if ep_group is not None and dist.get_world_size(ep_group) != self.ep_size:
-            raise NotImplementedError(EP_NOT_BUILT)
+            raise ValueError(f"MoE layer with ep_size={self.ep_size} given an expert-parallel group of "
+                             f"{dist.get_world_size(ep_group)} ranks: the group must have ep_size ranks")
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
 
     def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError("MoE layer " + NO_EP_GROUP.format(ep_size=self.ep_size))
         started = time.perf_counter() if self.wall_clock_breakdown else 0.0
         model_dim = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model_dim)
@@ -253,10 +279,10 @@ class MOELayer(nn.Module):
         capacity = int(capacity)
         slots = _flat_slots(indices, locations, num_experts, capacity)
         buffer = dispatch_tokens(tokens, slots, num_experts, capacity)
-        buffer = exchange_with_experts(buffer, self.ep_group, self.ep_size)
+        buffer = exchange_with_experts(buffer, self.ep_group, self.ep_size, self.logger)
         buffer = buffer.reshape(self.ep_size, self.num_local_experts, -1, model_dim)
         expert_output = self.experts(buffer).reshape(self.ep_size * self.num_local_experts, -1, model_dim)
-        expert_output = exchange_with_experts(expert_output, self.ep_group, self.ep_size)
+        expert_output = exchange_with_experts(expert_output, self.ep_group, self.ep_size, self.logger)
         out = combine_tokens(expert_output.reshape(num_experts * capacity, model_dim), slots, weights, len(tokens))
         if self.wall_clock_breakdown:
             self.time_moe = (time.perf_counter() - started) * 1e3

@@ -36,6 +36,8 @@ from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
+from .moe_setup import (attach_expert_groups, expert_group, expert_model_parallel_grads, expert_param_ids,
+                        expert_parallel_size)
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +333,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           f"{cfg.pipeline.stages!r}, but the model is a {type(model).__name__}, not a "
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
+    ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None, pipeline)  # MoE layers' ep_size
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
 
@@ -346,7 +349,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     elif pipeline:
         mesh = ParallelMesh.build(pp=model.num_stages)
     else:
-        mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size)
+        mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size,
+                                                                                     ep=ep)
     group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)
@@ -357,9 +361,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     # sharded (after the same broadcast) from its data-parallel rank 0's shards
     # (a pipeline stage holds only its layers: from the data-parallel rank 0 of the same stage, as DeepSpeed)
     source_group = None if tp_mesh is None and not pipeline else mesh.group("data")
+    experts = expert_param_ids(model) if ep > 1 else frozenset()  # different on every rank of an "expert" group
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            broadcast(t.data, 0, group=source_group)
+            if id(t) not in experts or mesh.size("expert_data") > 1:
+                broadcast(t.data, 0, group=mesh.group("expert_data") if id(t) in experts else source_group)
     ties = TiedWeights(model, mesh.group("pipe"), None) if pipeline else None
     if ties:
         ties.synchronize()  # layers tied across stages start equal (before the strategy copies them)
@@ -375,6 +381,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
+    attach_expert_groups(model, mesh, logger)  # MoE layers: the "expert" group for their all-to-alls
     for _, layer in tensor_parallel_layers(model):  # their all-reduces are counted with the others
         layer.logger = logger
         if getattr(layer, "shared_input", None) is not None:
@@ -384,7 +391,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
-                              model_parallel=_model_parallel_grads(model, mesh, pipeline, ties))
+                              model_parallel=_model_parallel_grads(model, mesh, pipeline, ties)
+                              or expert_model_parallel_grads(model, mesh),
+                              experts=expert_group(model, mesh))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
@@ -406,6 +415,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties)
         engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
+    engine.expert_parallel_size = ep
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):

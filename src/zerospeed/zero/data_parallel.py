@@ -174,11 +174,14 @@ class GradientAllReducer(OrderedBucketHooks):
 
     def __init__(self, params: list[torch.nn.Parameter], *, comms: GroupCollectives,
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
-                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 average_over: int | None = None):
         self.params = params
         self.comms = comms
         self.world = comms.world_size
-        self.predivide, self.post = gradient_divide_factors(self.world, average=average,
+        # the mean is over average_over ranks (default the group's): expert parameters are summed over the
+        # expert-data group but averaged over the whole data-parallel group (`GroupedReducer`)
+        self.predivide, self.post = gradient_divide_factors(average_over or self.world, average=average,
                                                             predivide_factor=predivide_factor)
         if len({p.dtype for p in params}) > 1:
             raise TypeError(f"all trainable parameters must share one dtype for bucketing; "
@@ -313,3 +316,65 @@ class GradientAllReducer(OrderedBucketHooks):
             p.grad = None
         self.buffers = []
         self._grads = GradViews([], [])
+
+
+class GroupedReducer:
+    """Several `GradientAllReducer`s as one: each reduces its own parameters over its own process group (a
+    mixture-of-experts model: the dense parameters over the data-parallel group, the experts over the
+    expert-data group, both averaged over the data-parallel ranks). Same interface as one reducer
+    (`phase`, `arm`, `finish`, `disarm`, `materialize`, `grads_ready`, `grad_views` in `params` order,
+    `zero_grad`, `attach_grads`, `remove`, `bucket_bytes`); the parts move through their phases together.
+    parts: (indices into `params`, the reducer built over exactly those parameters, in that order)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], parts: list[tuple[list[int], GradientAllReducer]]):
+        covered = sorted(i for idx, _ in parts for i in idx)
+        if covered != list(range(len(params))):
+            raise ValueError("GroupedReducer: the parts must cover every parameter exactly once")
+        self.params, self.parts = params, parts
+
+    @property
+    def phase(self) -> ReducePhase:
+        return self.parts[0][1].phase
+
+    @property
+    def grads_ready(self) -> bool:
+        return all(r.grads_ready for _, r in self.parts)
+
+    @property
+    def grad_views(self) -> list[torch.Tensor]:
+        views: list = [None] * len(self.params)
+        for idx, r in self.parts:
+            for i, v in zip(idx, r.grad_views):
+                views[i] = v
+        return views
+
+    def arm(self) -> None:
+        for _, r in self.parts:
+            r.arm()
+
+    def finish(self) -> None:
+        for _, r in self.parts:
+            r.finish()
+
+    def disarm(self) -> None:
+        for _, r in self.parts:
+            r.disarm()
+
+    def materialize(self) -> None:
+        for _, r in self.parts:
+            r.materialize()
+
+    def zero_grad(self) -> None:
+        for _, r in self.parts:
+            r.zero_grad()
+
+    def attach_grads(self) -> None:
+        for _, r in self.parts:
+            r.attach_grads()
+
+    def remove(self) -> None:
+        for _, r in self.parts:
+            r.remove()
+
+    def bucket_bytes(self) -> int:
+        return sum(r.bucket_bytes() for _, r in self.parts)

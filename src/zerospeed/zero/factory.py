@@ -16,7 +16,8 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
                    predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                    policy: MixedPrecisionPolicy | None = None,
                    master_values: dict[int, torch.Tensor] | None = None, offload=None,
-                   model_parallel=None, collectives: type[GroupCollectives] = GroupCollectives) -> ZeroStrategy:
+                   model_parallel=None, collectives: type[GroupCollectives] = GroupCollectives,
+                   experts=None) -> ZeroStrategy:
     """The strategy for ZeRO `stage` (0-3) over `module`'s trainable parameters.
 
     optimizer: the user's optimizer over the module's trainable parameters, in the user's param groups
@@ -30,7 +31,9 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     `clipping.ModelParallelGrads` when tensor parallelism splits the gradient (the global norm then sums
     over its group too), else None. collectives: the `comm.collectives.GroupCollectives` class (or a
     subclass: a quantized or compressed implementation) the strategy's reducers and all-gathers call,
-    instantiated as `collectives(group, logger)`.
+    instantiated as `collectives(group, logger)`. experts: a `strategy.ExpertGroup` (mixture of experts with
+    expert parallelism: those parameters are reduced over the expert-data group), or None; stage 0 only so far
+    (NotImplementedError at stages >= 1).
     Raises NotImplementedError for a stage this version does not implement.
     """
     policy = policy or MixedPrecisionPolicy()
@@ -41,7 +44,12 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     if stage == 0:
         names = {id(p): n for n, p in module.named_parameters()}
         strategy: ZeroStrategy = DataParallelStrategy(params, optimizer, bucket_size=bucket,
-                                                      names=[names[id(p)] for p in params], **common)
+                                                      names=[names[id(p)] for p in params], experts=experts,
+                                                      **common)
+    elif experts is not None:
+        raise NotImplementedError(f"zero_optimization.stage={stage} with expert parallelism (an MoE layer with "
+                                  "ep_size > 1) is not supported yet: its expert parameters must be partitioned over "
+                                  "the expert-data group; use stage 0, or ep_size=1")
     elif stage in (1, 2):
         from .stage12 import Stage12Strategy
 

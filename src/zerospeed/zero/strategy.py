@@ -27,6 +27,7 @@ Mixed precision is composed in, not subclassed (DESIGN.md rule 8): every strateg
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from ..precision import MixedPrecisionPolicy, first_nonfinite, is_nonfinite
 from . import fragments
 from . import stage3_context as ctx
 from .clipping import ModelParallelGrads, clip_and_norm
-from .data_parallel import GradientAllReducer, ReducePhase
+from .data_parallel import GradientAllReducer, GroupedReducer, ReducePhase
 from .param_groups import by_group, group_index, retarget
 from .partition import plan_one_chunk
 
@@ -249,6 +250,20 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Parameters whose gradients are reduced over another group than the data-parallel one: a mixture of
+    experts with expert parallelism (DeepSpeed-MoE, Rajbhandari et al. 2022 §4; GShard §2.2), where each rank
+    of an "expert" group holds different experts. `params`: their id()s; summed over `group` (the mesh's
+    "expert_data": the ranks holding the same experts) and divided by `average_over` (the data-parallel size:
+    the loss is the mean over every data-parallel rank, and each expert's local gradient already sums its
+    expert group's tokens through the all-to-all)."""
+
+    params: frozenset
+    group: dist.ProcessGroup | None
+    average_over: int
+
+
 class DataParallelStrategy(ZeroStrategy):
     """Stage 0: every rank holds everything; gradients are all-reduced in buckets during backward.
 
@@ -277,17 +292,28 @@ class DataParallelStrategy(ZeroStrategy):
                  bucket_size: int, average: bool = True, predivide_factor: float = 1.0,
                  logger: CommsLogger | None = None, policy: MixedPrecisionPolicy | None = None,
                  names: list[str] | None = None, master_values: dict[int, torch.Tensor] | None = None,
-                 collectives: type[GroupCollectives] = GroupCollectives):
+                 collectives: type[GroupCollectives] = GroupCollectives, experts: ExpertGroup | None = None):
         self.params, self.group, self.logger = params, group, logger
         self.comms = collectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
-        if params and (dist.get_world_size(group) > 1 or policy.mixed):
-            self.reducer = GradientAllReducer(params, comms=self.comms, bucket_size=bucket_size, average=average,
-                                              predivide_factor=predivide_factor,
-                                              grad_dtype=policy.master_dtype if policy.mixed else None,
-                                              reduce_dtype=policy.reduce_dtype)
+        expert_idx = [i for i, p in enumerate(params) if experts is not None and id(p) in experts.params]
+        if params and (dist.get_world_size(group) > 1 or policy.mixed or expert_idx):
+            def reducer(subset, comms, average_over=None):
+                return GradientAllReducer(subset, comms=comms, bucket_size=bucket_size, average=average,
+                                          predivide_factor=predivide_factor,
+                                          grad_dtype=policy.master_dtype if policy.mixed else None,
+                                          reduce_dtype=policy.reduce_dtype, average_over=average_over)
+            if not expert_idx:
+                self.reducer = reducer(params, self.comms)
+            else:  # the dense parameters over the data group, the experts over theirs
+                dense_idx = sorted(set(range(len(params))) - set(expert_idx))
+                parts = [(expert_idx, reducer([params[i] for i in expert_idx], collectives(experts.group, logger),
+                                              experts.average_over))]
+                if dense_idx:
+                    parts.insert(0, (dense_idx, reducer([params[i] for i in dense_idx], self.comms)))
+                self.reducer = GroupedReducer(params, parts)
         if policy.mixed and self.reducer is not None:
             values = master_values or {}
             self.master_params = [values[id(p)].to(policy.master_dtype) if id(p) in values else
