@@ -17,14 +17,14 @@ M, E, TOKENS, STEPS = 8, 4, 8, 3
 
 
 class Net(nn.Module):
-    def __init__(self, ep: int, k: int):
+    def __init__(self, ep: int, k: int, drop_tokens: bool = True, capacity_factor: float = 1.0):
         from zerospeed.moe.layer import MoE
 
         super().__init__()
         self.inp = nn.Linear(M, M)
         expert = nn.Sequential(nn.Linear(M, 2 * M), nn.ReLU(), nn.Linear(2 * M, M))
         self.moe = MoE(M, expert, num_experts=E, ep_size=ep, k=k, min_capacity=2, use_rts=False,
-                       top2_2nd_expert_sampling=False)
+                       top2_2nd_expert_sampling=False, drop_tokens=drop_tokens, capacity_factor=capacity_factor)
         self.out = nn.Linear(M, M)
         # experts start different: global expert g shifted by 0.05 g (deep copies would start equal)
         local = E // ep
@@ -53,10 +53,11 @@ def _config(optimizer: str) -> dict:
             "comms_logger": {"enabled": True}}
 
 
-def _reference(world: int, k: int, optimizer: str):
-    """One process, every expert (ep 1): rank r's tokens gated alone, the loss the mean over ranks."""
+def _reference(world: int, k: int, optimizer: str, unlimited: bool = False):
+    """One process, every expert (ep 1): rank r's tokens gated alone, the loss the mean over ranks. unlimited:
+    capacity k x S per expert (capacity_factor E, the padded layout), so no token is dropped."""
     torch.manual_seed(0)
-    net = Net(1, k)
+    net = Net(1, k, capacity_factor=float(E) if unlimited else 1.0)
     if optimizer == "sgd":
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
     else:
@@ -74,11 +75,11 @@ def _reference(world: int, k: int, optimizer: str):
     return steps, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-def _engine_run(rank: int, world: int, k: int, optimizer: str, tmp: str | None = None):
+def _engine_run(rank: int, world: int, k: int, optimizer: str, tmp: str | None = None, dropless: bool = False):
     import zerospeed
 
     torch.manual_seed(0)
-    net = Net(2, k)
+    net = Net(2, k, drop_tokens=not dropless)
     engine, *_ = zerospeed.initialize(model=net, config=_config(optimizer))
     assert engine.mesh.size("expert") == 2 and engine.mesh.size("expert_data") == world // 2
     steps = []
@@ -114,7 +115,22 @@ def test_expert_parallel_matches_one_process(world, k, optimizer):
     # 2 all-to-alls forward and 2 backward per step, each of the [E, C, M] expert buffer
     capacity = max(2, -(-k * TOKENS // E))
     assert all(r[2] == (4 * STEPS, 4 * STEPS * E * capacity * M) for r in results)
-    ref_steps, ref_params = _reference(world, k, optimizer)
+    _compare(results, *_reference(world, k, optimizer))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_equals_unlimited_capacity(world, k):
+    """drop_tokens=False runs the experts on exactly their tokens (variable all-to-all): the same training as
+    one process with room for every token in the padded layout."""
+    results = run_distributed(_engine_run, world, k, "adamw", None, True)
+    # every route goes out and back, forward and backward: no padding rows
+    assert all(r[2][0] == 4 * STEPS for r in results)
+    assert sum(r[2][1] for r in results) == 4 * STEPS * world * k * TOKENS * M
+    _compare(results, *_reference(world, k, "adamw", unlimited=True))
+
+
+def _compare(results, ref_steps, ref_params):
     for step, ref in enumerate(ref_steps):
         for rank, (steps, *_) in enumerate(results):
             loss, l_aux, counts = steps[step]

@@ -147,13 +147,16 @@ def recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None,
-                      logger: CommsLogger | None = None) -> torch.Tensor:
-    """Blocking all-to-all with equal splits: `input` ([N * k, ...], N ranks in `group`) is cut along dim 0
-    into N chunks, chunk j goes to rank j, and the chunk from rank i lands in `output` ([N * k, ...]) at
-    chunk i. Returns `output`. Counted as "all_to_all" (`input.numel()` elements)."""
+                      logger: CommsLogger | None = None, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """Blocking all-to-all along dim 0: `input` is cut into N chunks (N ranks in `group`; equal ones, or
+    `input_split_sizes` rows each), chunk j goes to rank j, and the chunk from rank i lands in `output` at
+    chunk i (equal, or `output_split_sizes` rows each: what rank i sends this rank). Returns `output`.
+    Counted as "all_to_all" (`input.numel()` elements)."""
     started = time.perf_counter()
     with record_function("zerospeed::all_to_all"):
-        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+        work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=True)
     _handle("all_to_all", work, input, logger, started).wait()
     return output
 

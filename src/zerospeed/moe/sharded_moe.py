@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.ops import all_to_all_single
+from .dropless import dropless_experts
+from .experts import check_expert_output
 from .routing import (Routes, expert_capacity, gumbel_rsample, multiplicative_jitter, route_top1, route_top2,
                       route_topk)
 
@@ -256,6 +258,9 @@ class MOELayer(nn.Module):
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0  # ms, with wall_clock_breakdown
         self.logger = None  # a CommsLogger counting the all-to-alls (set by zerospeed.initialize)
+        # drop_tokens=False: experts run on exactly their tokens (`dropless.py`); False keeps DeepSpeed's layout,
+        # every expert padded to the largest load
+        self.dropless = not gate.drop_tokens
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
 
@@ -276,6 +281,12 @@ class MOELayer(nn.Module):
         tokens = hidden_states.reshape(-1, model_dim)
         (self.l_aux, capacity, num_experts, indices, locations, weights,
          self.exp_counts) = self.gate(tokens, used_token, True, self.use_tutel)
+        if self.dropless:
+            out = dropless_experts(tokens, indices, weights, self.experts.deepspeed_experts, num_experts,
+                                   self.ep_group, self.ep_size, self.logger, check_expert_output)
+            if self.wall_clock_breakdown:
+                self.time_moe = (time.perf_counter() - started) * 1e3
+            return out.reshape(hidden_states.shape)
         capacity = int(capacity)
         slots = _flat_slots(indices, locations, num_experts, capacity)
         buffer = dispatch_tokens(tokens, slots, num_experts, capacity)

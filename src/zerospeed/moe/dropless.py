@@ -1,0 +1,92 @@
+"""Dropless expert computation for `drop_tokens=False` (beyond DeepSpeed): the experts run on exactly the
+tokens routed to them.
+
+DeepSpeed keeps the capacity layout for `drop_tokens=False`: every expert's buffer is padded to the largest
+load over the expert-parallel group (C = max load), so E x C rows are exchanged and computed however uneven
+the routing. Here the kept routes are packed expert by expert (R = k x S rows at most, no padding), the
+per-expert counts are exchanged first (an all-to-all of E integers), and the rows move with a variable-size
+all-to-all (`all_to_all_single` with split sizes, as MegaBlocks, Gale et al. 2023 §3, computes dropless
+MoE); each local expert runs once on the rows all source ranks sent it, and the outputs go back the same
+way. Outputs equal the padded layout's up to the order of summing a token's k > 2 routes.
+
+Shapes: S tokens, M model size, E experts, L = E / ep_size local experts, k routes per token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm.ops import all_to_all_single
+
+__all__ = ["dropless_experts"]
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Variable-size all-to-all along dim 0 (rows `send` to each rank, `recv` from each); its gradient is
+    the all-to-all with the two split lists swapped."""
+
+    @staticmethod
+    def forward(ctx, group, logger, send: list[int], recv: list[int], x: Tensor) -> Tensor:
+        ctx.group, ctx.logger, ctx.send, ctx.recv = group, logger, send, recv
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        return all_to_all_single(out, x.contiguous(), group=group, logger=logger, output_split_sizes=recv,
+                                 input_split_sizes=send)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        all_to_all_single(out, grad.contiguous(), group=ctx.group, logger=ctx.logger, output_split_sizes=ctx.send,
+                          input_split_sizes=ctx.recv)
+        return None, None, None, None, out
+
+
+def _rows_by_local_expert(per_source: Tensor) -> list[Tensor]:
+    """per_source [ep, L] rows each source rank sent for each local expert, laid out source-major then
+    expert -> for each local expert the indices of its rows in that layout."""
+    ep, num_local = per_source.shape
+    flat = per_source.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(ep, num_local).tolist()
+    counts = per_source.tolist()
+    return [torch.cat([torch.arange(starts[i][e], starts[i][e] + counts[i][e]) for i in range(ep)])
+            for e in range(num_local)]
+
+
+def dropless_experts(tokens: Tensor, experts_idx: Tensor, weights: Tensor, experts: nn.ModuleList, num_experts: int,
+                     ep_group: dist.ProcessGroup | None, ep_size: int, logger=None, check=None) -> Tensor:
+    """tokens [S, M], experts_idx [k, S] (the expert of each route, -1 where not kept), weights [k, S] fp32 ->
+    [S, M] (tokens.dtype): sum over a token's kept routes of weight x its expert's output. experts: this
+    rank's L = E / ep_size experts (global ids ep_rank x L + i). Collective over `ep_group` when ep_size > 1
+    (two all-to-alls forward, two backward, plus one of the E counts). check(out, inp, what): validates an
+    expert's output shape (raises ValueError)."""
+    num_tokens, model_dim = tokens.shape
+    flat = experts_idx.reshape(-1).long()
+    routes = (flat >= 0).nonzero().squeeze(1)
+    order = routes[torch.argsort(flat[routes], stable=True)]  # kept routes, expert by expert
+    token_of = order % num_tokens
+    packed = tokens.index_select(0, token_of)  # [R, M]
+    counts = torch.bincount(flat[order], minlength=num_experts)  # [E] rows per expert, this rank's tokens
+    num_local = num_experts // ep_size
+    if ep_size > 1:
+        received_counts = torch.empty_like(counts)
+        all_to_all_single(received_counts, counts, group=ep_group)  # from source i: its rows per local expert
+        send = counts.view(ep_size, num_local).sum(1).tolist()
+        recv = received_counts.view(ep_size, num_local).sum(1).tolist()
+        packed = _AllToAllV.apply(ep_group, logger, send, recv, packed)
+        per_source = received_counts.view(ep_size, num_local)
+    else:
+        per_source = counts.view(1, num_experts)
+    rows = _rows_by_local_expert(per_source)
+    outputs = []
+    for i, (idx, expert) in enumerate(zip(rows, experts)):
+        inp = packed.index_select(0, idx)
+        out = expert(inp)
+        out = out[0] if isinstance(out, tuple) else out
+        if check is not None:
+            check(out, inp, f"expert {i} ({type(expert).__name__})")
+        outputs.append(out)
+    back = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(rows)))  # the received layout again
+    if ep_size > 1:
+        back = _AllToAllV.apply(ep_group, logger, recv, send, back)
+    weighted = back.float() * weights.reshape(-1)[order].unsqueeze(1)
+    return weighted.new_zeros(num_tokens, model_dim).index_add(0, token_of, weighted).to(tokens.dtype)
