@@ -75,7 +75,7 @@ def _reference(world: int, k: int, optimizer: str, unlimited: bool = False):
     return steps, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-def _engine_run(rank: int, world: int, k: int, optimizer: str, tmp: str | None = None, dropless: bool = False):
+def _engine_run(rank: int, world: int, k: int, optimizer: str, dropless: bool = False):
     import zerospeed
 
     torch.manual_seed(0)
@@ -89,22 +89,8 @@ def _engine_run(rank: int, world: int, k: int, optimizer: str, tmp: str | None =
         engine.backward(loss)
         engine.step()
         steps.append((float(loss), float(l_aux), counts.tolist()))
-    local = E // 2
-    params = {}
-    for n, p in engine.module.named_parameters():
-        if ".deepspeed_experts." in n:  # local expert i -> global expert (rank in the expert group) * local + i
-            head, _, tail = n.partition(".deepspeed_experts.")
-            i, _, rest = tail.partition(".")
-            n = f"{head}.deepspeed_experts.{(rank % 2) * local + int(i)}.{rest}"
-        params[n] = p.detach().clone()
     a2a = engine.comms_logger.stats["all_to_all"]
-    refused = None
-    if tmp is not None:  # experts are saved under local names yet: a clear refusal, nothing written
-        try:
-            engine.save_checkpoint(tmp)
-        except NotImplementedError as e:
-            refused = str(e)
-    return steps, params, (a2a.calls, a2a.elements), refused
+    return steps, _global_params(engine, 2), (a2a.calls, a2a.elements)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -123,7 +109,7 @@ def test_expert_parallel_matches_one_process(world, k, optimizer):
 def test_dropless_equals_unlimited_capacity(world, k):
     """drop_tokens=False runs the experts on exactly their tokens (variable all-to-all): the same training as
     one process with room for every token in the padded layout."""
-    results = run_distributed(_engine_run, world, k, "adamw", None, True)
+    results = run_distributed(_engine_run, world, k, "adamw", True)
     # every route goes out and back, forward and backward: no padding rows
     assert all(r[2][0] == 4 * STEPS for r in results)
     assert sum(r[2][1] for r in results) == 4 * STEPS * world * k * TOKENS * M
@@ -145,10 +131,66 @@ def _compare(results, ref_steps, ref_params):
             torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {n}")
 
 
-def test_checkpoint_refused_with_expert_parallelism(tmp_path):
-    results = run_distributed(_engine_run, 2, 1, "sgd", str(tmp_path / "ckpt"))
-    assert all("checkpoint save with expert parallelism (MoE ep_size=2) is not supported yet" in r[3] for r in results)
-    assert not (tmp_path / "ckpt").exists()
+def _global_params(engine, ep: int) -> dict:
+    """The engine's parameters under global expert names (local expert i -> ep_rank x E / ep + i)."""
+    out = {}
+    for n, p in engine.module.named_parameters():
+        if ".deepspeed_experts." in n and ep > 1:
+            head, _, tail = n.partition(".deepspeed_experts.")
+            i, _, rest = tail.partition(".")
+            n = f"{head}.deepspeed_experts.{(dist.get_rank() % ep) * (E // ep) + int(i)}.{rest}"
+        out[n] = p.detach().clone()
+    return out
+
+
+def _checkpoint_run(rank: int, world: int, ep: int, mode: str, ckpt: str):
+    """mode "save": 2 steps, save, a 3rd step; "resume": load, the 3rd step. Returns the 3rd step's loss and
+    the parameters after it (global expert names)."""
+    import zerospeed
+
+    torch.manual_seed(0)
+    engine, *_ = zerospeed.initialize(model=Net(ep, 2), config=_config("adamw"))
+    batches = _data(world)
+    if mode == "save":
+        for x, y in (b[rank] for b in batches[:2]):
+            engine.backward(engine(x, y)[0])
+            engine.step()
+        engine.save_checkpoint(ckpt, tag="t")
+    else:
+        engine.load_checkpoint(ckpt, tag="t")
+    x, y = batches[2][rank]
+    loss = engine(x, y)[0]
+    engine.backward(loss)
+    engine.step()
+    try:
+        engine.save_16bit_model(ckpt + "_16bit")
+        refused = None
+    except NotImplementedError as e:
+        refused = str(e)
+    return float(loss.detach()), _global_params(engine, ep), refused
+
+
+def test_checkpoint_resumes_at_another_expert_parallel_size(tmp_path):
+    """Saved at ep 2 (world 2), each expert under its global id: resumed at ep 2 and at ep 1 (every rank all
+    experts) the next step equals the uninterrupted one; `to-fp32` holds every expert once."""
+    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_checkpoint_run, 2, 2, "save", ckpt)
+    state = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t")
+    assert sorted(n for n in state if ".deepspeed_experts." in n) == sorted(
+        f"moe.deepspeed_moe.experts.deepspeed_experts.{e}.{w}" for e in range(E) for w in
+        ("0.weight", "0.bias", "2.weight", "2.bias"))
+    assert "save_16bit_model with expert parallelism (MoE ep_size=2) is not supported yet" in saved[0][2]
+    uninterrupted = {**saved[1][1], **saved[0][1]}  # every expert, from the rank holding it
+    assert len(uninterrupted) == len(state)
+    for ep in (2, 1):
+        resumed = run_distributed(_checkpoint_run, 2, ep, "resume", ckpt)
+        for rank in range(2):
+            assert resumed[rank][0] == pytest.approx(saved[rank][0], rel=1e-6), (ep, rank)
+            assert len(resumed[rank][1]) == len(saved[rank][1]) + (len(state) - len(saved[rank][1])) * (ep == 1)
+            for n, p in resumed[rank][1].items():
+                torch.testing.assert_close(p, uninterrupted[n], rtol=1e-5, atol=1e-6, msg=f"ep {ep} rank {rank} {n}")
 
 
 class _TwoSizes(nn.Module):

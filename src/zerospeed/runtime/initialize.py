@@ -416,6 +416,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep
+    if ep > 1:  # each expert saved under its global id
+        from .checkpoint_moe import ExpertTranslation
+
+        engine.checkpoint_translation = ExpertTranslation(model, mesh.rank("expert"))
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):

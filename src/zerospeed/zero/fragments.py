@@ -146,7 +146,9 @@ def logical_params(strategy, module: nn.Module, translate=None) -> list[LogicalP
     names = param_names(module)
     out = [logical(names, p, shape, dtype) for p, shape, dtype in strategy.checkpoint_params()]
     if translate is not None:
-        out = [LogicalParam(lp.name, lp.aliases, translate.full_shape(lp.name, lp.shape), lp.dtype) for lp in out]
+        rename = getattr(translate, "global_name", None)  # experts: local name -> global expert id
+        out = [LogicalParam(rename(lp.name) if rename else lp.name, lp.aliases,
+                            translate.full_shape(lp.name, lp.shape), lp.dtype) for lp in out]
     return out
 
 

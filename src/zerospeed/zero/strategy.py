@@ -298,6 +298,7 @@ class DataParallelStrategy(ZeroStrategy):
         self.policy = policy = policy or MixedPrecisionPolicy()
         self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
+        self.experts = experts
         expert_idx = [i for i, p in enumerate(params) if experts is not None and id(p) in experts.params]
         if params and (dist.get_world_size(group) > 1 or policy.mixed or expert_idx):
             def reducer(subset, comms, average_over=None):
@@ -419,20 +420,32 @@ class DataParallelStrategy(ZeroStrategy):
         """One fp32 master per trainable parameter, in `params` order (fp32: the parameters)."""
         return list(self.master_params or self.params)
 
-    def _writer_layout(self):
-        """The parameters' masters back to back, cut into N equal slices: rank r of `group` (rank and N
-        taken in the data-parallel group) writes slice r of the replicated state."""
-        return plan_one_chunk([m.numel() for m in self._masters()], dist.get_world_size(self.group))
+    def _writer_ranges(self) -> list[tuple[int, int]]:
+        """The flat range of each parameter's master this rank writes: the masters back to back, cut into N
+        equal slices, rank r of `group` (N its size) writing slice r of the replicated state. With expert
+        parallelism the experts are cut the same way over their own group (the ranks holding the same
+        experts), the other parameters over the data-parallel group."""
+        masters = self._masters()
+        expert = [self.experts is not None and id(p) in self.experts.params for p in self.params]
+        out: list[tuple[int, int]] = [(0, 0)] * len(masters)
+        for flag, group in ((False, self.group), (True, self.experts.group if self.experts else None)):
+            idx = [i for i, e in enumerate(expert) if e == flag]
+            if not idx:
+                continue
+            layout = plan_one_chunk([masters[i].numel() for i in idx], dist.get_world_size(group))
+            rank = dist.get_rank(group)
+            for j, i in enumerate(idx):
+                out[i] = layout.param_shard_range(j, rank)
+        return out
 
     def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
         """One slot per parameter master: writing, the part of it inside this rank's slice of the flat
-        space (`_writer_layout`; parameters outside it get no slot); loading, all of it."""
+        space (`_writer_ranges`; parameters outside it get no slot); loading, all of it."""
         masters = self._masters()
-        layout = None if load else self._writer_layout()
-        rank = None if load else dist.get_rank(self.group)
+        ranges = None if load else self._writer_ranges()
         slots = []
         for i, (p, m) in enumerate(zip(self.params, masters)):
-            lo, hi = (0, m.numel()) if load else layout.param_shard_range(i, rank)
+            lo, hi = (0, m.numel()) if load else ranges[i]
             if hi > lo:
                 take = (lambda a, b: lambda t: fragments.flat_view(t, "a stage-0 parameter")[a:b])(lo, hi)
                 slots.append(fragments.Slot(m, [(fragments.logical(names, p, p.shape, m.dtype), lo, hi, take)]))
@@ -452,7 +465,7 @@ class DataParallelStrategy(ZeroStrategy):
         g = self._masters()[key].grad
         if g is None:
             return None
-        lo, hi = self._writer_layout().param_shard_range(key, dist.get_rank(self.group))
+        lo, hi = self._writer_ranges()[key]
         return [(lo, hi, g.reshape(-1)[lo:hi])] if hi > lo else []
 
     def step_grad_pieces(self, key: int) -> list[tuple[int, int, torch.Tensor]] | None:
