@@ -273,7 +273,8 @@ KINDS = ("forward", "backward", "weight")  # compute; "backward" is fused or inp
 class Timer:
     """Seconds inside wrapped calls this step, by kind: "forward" (forward passes and the loss), "backward" (fused
     backward, or the input-gradient pass), "weight" (deferred weight-gradient pass), "opt" (optimizer step),
-    "send" (zerospeed's activation and gradient send calls; `calls` counts them);
+    "send" (zerospeed's activation and gradient send calls; `calls` counts them), "recv" (zerospeed's receive
+    calls and its wait for the sends: mostly waiting for a message, i.e. idle);
     and `opt_start` (perf_counter when the step's first optimizer call began: the end of this rank's pipeline).
     Nested wrapped calls count once (the outermost)."""
 
@@ -282,7 +283,7 @@ class Timer:
         self.reset()
 
     def reset(self):
-        self.seconds = dict.fromkeys(KINDS + ("opt", "send"), 0.0)
+        self.seconds = dict.fromkeys(KINDS + ("opt", "send", "recv"), 0.0)
         self.calls = dict.fromkeys(self.seconds, 0)
         self.opt_start = None
 
@@ -418,6 +419,8 @@ class ZeroSpeedRunner:
         link = self.engine._link  # the seconds a rank spends in its send calls: the simulator's send_overhead
         link.send_activation = timer.wrap(link.send_activation, "send")
         link.send_grads = timer.wrap(link.send_grads, "send")
+        for name in ("recv_activation", "recv_grads", "wait_sends"):  # waiting: the rest is the executor's work
+            setattr(link, name, timer.wrap(getattr(link, name), "recv"))
         self.has_first, self.has_last = self.engine.is_first_stage(), self.engine.is_last_stage()
 
     def train_step(self, mbs) -> float:
@@ -630,7 +633,7 @@ def worker(args) -> int:
         mbs = load_data(args.data, args.model, args.precision, total, args.n_micro)
         timer = Timer()
         runner = RUNNERS[args.system](args, args.model, args.n_micro, timer)
-        step_s, opt_s, span_s, losses, send_s, sends = [], [], [], [], [], []
+        step_s, opt_s, span_s, losses, send_s, sends, recv_s = [], [], [], [], [], [], []
         kind_s = {k: [] for k in KINDS}
         for i in range(total):
             dist.barrier()
@@ -642,12 +645,13 @@ def worker(args) -> int:
                 kind_s[k].append(timer.seconds[k])
             opt_s.append(timer.seconds["opt"])
             send_s.append(timer.seconds["send"])
+            recv_s.append(timer.seconds["recv"])
             sends.append(float(timer.calls["send"]))
             span_s.append(timer.opt_start - t0 if timer.opt_start is not None else step_s[-1])
             losses.append(loss)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-        steps_r, opt_r, span_r, loss_r, send_r, sends_r = (all_gather_floats(v) for v in (step_s, opt_s, span_s,
-                                                                                            losses, send_s, sends))
+        steps_r, opt_r, span_r, loss_r, send_r, sends_r, recv_r = (
+            all_gather_floats(v) for v in (step_s, opt_s, span_s, losses, send_s, sends, recv_s))
         kinds_r = {k: all_gather_floats(v) for k, v in kind_s.items()}  # [rank][step]
         per_rank = all_gather_floats([rss, float(runner.n_params)])
         result = {"status": "ok", "n_params": int(sum(r[1] for r in per_rank)),
@@ -656,7 +660,7 @@ def worker(args) -> int:
                   "pipeline_s": [max(r[i] for r in span_r) for i in range(total)],
                   "compute_s": [[sum(kinds_r[k][r][i] for k in KINDS) for i in range(total)] for r in range(world)],
                   **{f"{k}_s": v for k, v in kinds_r.items()}, "opt_s": opt_r, "losses": loss_r[0],
-                  "send_s": send_r, "sends": sends_r,
+                  "send_s": send_r, "sends": sends_r, "recv_s": recv_r, "span_s": span_r,
                   "peak_rss_bytes": [r[0] for r in per_rank]}
         sim = SIM_SCHEDULE.get((args.system, args.schedule))
         if args.system == "reference":
@@ -829,11 +833,12 @@ def _plan(name: str, m: int):
     return build_schedule(name, P, m, chunks=chunks, layout=layout)
 
 
-def simulate_times(name: str, m: int, forward, backward, weight, latency: float = 0.0, overhead: float = 0.0):
+def simulate_times(name: str, m: int, forward, backward, weight, latency: float = 0.0, overhead: float = 0.0,
+                   pass_overhead: float = 0.0):
     """(simulated pipeline seconds, simulated bubble) of zerospeed schedule `name` at p=P, m, with per-rank
     seconds per micro-batch (each the sum over the rank's chunks): `backward` is the fused backward for a
     schedule without a split (then `weight` is added to it), the input-gradient pass for one with; `latency` and
-    `overhead` the simulator's send_latency and send_overhead."""
+    `overhead` the simulator's send_latency and send_overhead, `pass_overhead` its pass_overhead."""
     from zerospeed.pipe import StageTimes
     from zerospeed.pipe.schedule import BackwardInput
     from zerospeed.pipe.simulate import simulate
@@ -842,12 +847,13 @@ def simulate_times(name: str, m: int, forward, backward, weight, latency: float 
     if not any(isinstance(a, BackwardInput) for acts in plan.values() for a in acts):
         backward, weight = [b + w for b, w in zip(backward, weight)], [0.0] * P
     res = simulate(plan, StageTimes(forward=list(forward), backward_input=list(backward),
-                                    backward_weight=list(weight), send_latency=latency, send_overhead=overhead))
+                                    backward_weight=list(weight), send_latency=latency, send_overhead=overhead,
+                                    pass_overhead=pass_overhead))
     return res.step_time, res.bubble_fraction
 
 
 def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0,
-                 overhead: float = 0.0):
+                 overhead: float = 0.0, pass_overhead: float = 0.0):
     """`simulate_times` from per-model-stage times (`time_stage`), summed per rank over its model stages; the
     split times for a split schedule unless `fused` (a system that keeps W inside its backward: DeepSpeed)."""
     from zerospeed.pipe.schedule import BackwardInput
@@ -862,9 +868,9 @@ def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, late
 
     if split and not fused:
         return simulate_times(name, m, per_rank("forward"), per_rank("backward_input"), per_rank("backward_weight"),
-                              latency, overhead)
+                              latency, overhead, pass_overhead)
     return simulate_times(name, m, per_rank("forward_fused"), per_rank("backward_fused"), [0.0] * P, latency,
-                          overhead)
+                          overhead, pass_overhead)
 
 
 def in_run_times(ok: list[dict]) -> list[list[float]]:
@@ -885,6 +891,25 @@ def send_overhead(ok: list[dict]) -> float | None:
             if sum(count[w:]):
                 per.append(sum(secs[w:]) / sum(count[w:]))
     return statistics.median(per) if per else None
+
+
+def pass_overhead(ok: list[dict], name: str) -> float | None:
+    """Seconds of the executor's own work per computation (zerospeed): per rank and timed step, the rank's
+    pipeline span minus its compute, send and receive/wait seconds, over its computations in schedule `name`;
+    the median over ranks, steps and repeats. None without the receive timer (other systems, older runs)."""
+    from zerospeed.pipe.schedule import COMPUTE
+
+    if not ok[0].get("recv_s") or not ok[0].get("span_s"):
+        return None
+    plan = _plan(name, ok[0]["m"])
+    w, per = ok[0]["warmup"], []
+    for r in ok:
+        for rank, span in enumerate(r["span_s"]):
+            n = sum(isinstance(a, COMPUTE) for a in plan[rank])
+            for i in range(w, len(span)):
+                busy = span[i] - r["send_s"][rank][i] - r["recv_s"][rank][i]
+                per.append(max(0.0, busy - r["compute_s"][rank][i]) / n)
+    return statistics.median(per)
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -942,15 +967,21 @@ def aggregate(runs: list[dict]) -> list[dict]:
             fused = row["system"] == "deepspeed"
             latency = row.get("send_latency_s") or 0.0  # measured in the launch; 0 in runs from before
             overhead = row.get("send_overhead_s") or 0.0  # zerospeed's sends, timed in the run; 0 for the others
+            if row["system"] == "zerospeed":
+                row["pass_overhead_s"] = pass_overhead([r for r in runs if r.get("label") == row["label"] and
+                                                        r["model"] == row["model"] and r["precision"] ==
+                                                        row["precision"] and r["m"] == row["m"] and
+                                                        r["status"] == "ok"], sim)
+            per_pass = row.get("pass_overhead_s") or 0.0
             if row.get("stage_times"):
-                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead)
+                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead, per_pass)
                 row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
                 row["sim_error"] = step / row["pipeline_s"] - 1.0
             if ref and ref.get("stage_times"):
-                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead)
+                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead, per_pass)
                 row["sim_ref_pipeline_s"], row["sim_ref_error"] = step, step / row["pipeline_s"] - 1.0
             if row.get("in_run_times"):
-                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency, overhead)
+                step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency, overhead, per_pass)
                 row["sim_run_pipeline_s"], row["sim_run_bubble"] = step, bubble
                 row["sim_run_error"] = step / row["pipeline_s"] - 1.0
         except Exception as e:  # noqa: BLE001 - a table cell, not a crash
@@ -963,7 +994,8 @@ def _f(x, spec, none="—"):
 
 
 HEADER = ("| model | prec | m | system | step s | samples/s | vs one process | pipeline s | pipeline simulated s "
-          "(error) | error, stage times timed alone | error, one-process stage times | send ms (call / latency) | "
+          "(error) | error, stage times timed alone | error, one-process stage times | ms per send (call / latency) / per "
+          "pass | "
           "bubble measured | bubble simulated | (p-1)/(m+p-1) | optimizer s | compute s/rank (F+B+W per "
           "micro-batch, ms) | peak RSS/rank MiB | final loss | Δ vs one process |")
 
@@ -982,7 +1014,8 @@ def markdown_table(rows: list[dict]) -> str:
             continue
         sim = (f"{r['sim_run_pipeline_s']:.3f} ({_pct(r['sim_run_error'])})" if r.get("sim_run_pipeline_s") is not None
                else ("error: " + r["sim_error_message"][:80] if r.get("sim_error_message") else "—"))
-        send = (f"{1e3 * (r.get('send_overhead_s') or 0):.2f} / {1e3 * r['send_latency_s']:.2f}"
+        send = (f"{1e3 * (r.get('send_overhead_s') or 0):.2f} / {1e3 * r['send_latency_s']:.2f} / "
+                f"{_f(None if r.get('pass_overhead_s') is None else 1e3 * r['pass_overhead_s'], '.2f')}"
                 if r.get("send_latency_s") is not None else "—")
         vs_one = "—" if r["vs_one"] is None else f"{r['vs_one']:.2f}x"
         pipeline = "—" if r["label"] == "one process" else f"{r['pipeline_s']:.3f}"
@@ -1067,8 +1100,10 @@ NOTES = ("samples/s = micro-batch x m / median step (slowest rank, after a barri
          "bubble simulated = zerospeed.pipe.simulate, for the zerospeed schedule of the same order (DeepSpeed and "
          "torch rows: approximate, zerospeed's schedule), on each rank's forward + backward + weight seconds per "
          "micro-batch timed inside this run's own calls (the compute column), the activation message latency "
-         "measured in the launch and, for zerospeed, the seconds per send call timed in the run (send ms: call / "
-         "latency); error against the measured pipeline s (the target's number). 'stage times timed alone': the "
+         "measured in the launch and, for zerospeed, the seconds per send call timed in the run and the executor's "
+         "own seconds per pass (each rank's span minus its compute, send and receive/wait seconds, over its "
+         "computations: posting receives, hand-offs, bookkeeping; counted as busy); error against the measured "
+         "pipeline s (the target's number). 'stage times timed alone': the "
          "same prediction on the stage times below, which this launch measured after training (each rank its own "
          "model stages, both ranks at once; zerospeed's stage code); 'one-process stage times': on the one-process "
          "launch's (one rank busy). Those two also measure how well a stage timed alone predicts that stage inside "

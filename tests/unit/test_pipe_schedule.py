@@ -301,6 +301,15 @@ def test_send_overhead_costs_the_sender():
         simulate(one_f_one_b(2, 1), StageTimes(send_overhead=-1.0))
 
 
+def test_pass_overhead_is_busy_time_per_computation():
+    # 2 ranks, 1 micro-batch, fused backward: 4 computations on the critical path, each 0.5 longer
+    r = simulate(one_f_one_b(2, 1), StageTimes(1.0, 1.0, 0.0, pass_overhead=0.5))
+    assert r.step_time == pytest.approx(4 * 1.5) and r.per_rank_busy == (3.0, 3.0)
+    # two chunks per rank pay it twice per micro-batch: they lose their edge when passes are short
+    assert best_schedule(2, 4, StageTimes(1.0, 1.0, 0.0))[0] in ("interleaved_1f1b", "zb_v")  # 9 against 10
+    assert best_schedule(2, 4, StageTimes(1.0, 1.0, 0.0, pass_overhead=0.4))[0] == "1f1b"  # 14 against 16.2
+
+
 def test_best_schedule():
     times = StageTimes(1.0, 1.0, 1.0)
     name, r = best_schedule(4, 8, times)

@@ -38,6 +38,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--send-latency", type=float, default=0.0, help="seconds from a send to its arrival")
     parser.add_argument("--send-overhead", type=float, default=0.0, help="seconds the sending rank spends in one "
                         "send call (gloo on a busy CPU: ~0.3-0.5 ms)")
+    parser.add_argument("--pass-overhead", type=float, default=0.0, help="seconds of executor work per forward or "
+                        "backward pass (posting receives, hand-offs; ~0.5-1.5 ms on a busy CPU)")
     parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank for interleaved 1F1B")
     args = parser.parse_args(argv)
     try:
@@ -46,7 +48,8 @@ def main(argv: list[str]) -> int:
         times = StageTimes(forward=_times(args.forward, args.stages, "--forward"),
                            backward_input=_times(args.backward_input, args.stages, "--backward-input"),
                            backward_weight=_times(args.backward_weight, args.stages, "--backward-weight"),
-                           send_latency=args.send_latency, send_overhead=args.send_overhead)
+                           send_latency=args.send_latency, send_overhead=args.send_overhead,
+                           pass_overhead=args.pass_overhead)
         results = {name: simulate(build(), times)
                    for name, build in candidate_schedules(args.stages, args.microbatches, chunks=args.chunks).items()}
         best, _ = best_schedule(args.stages, args.microbatches, times, chunks=args.chunks)

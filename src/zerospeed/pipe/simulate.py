@@ -37,12 +37,17 @@ class StageTimes:
     ``send_overhead``: seconds the sending rank spends in each send (default 0): step time, not busy
     time. Measured on this CPU with gloo: ~0.1 ms per 128 KiB activation to an idle peer, 0.3-0.5 ms
     inside a running pipeline (bench/bench_pipe.py times it per run).
+    ``pass_overhead``: seconds of the executor's own work per computation (default 0), counted as busy
+    time: posting the receives ahead of it, the hand-off between model stages on one rank, bookkeeping.
+    A schedule with c chunks per rank pays it c times per micro-batch, which matters when a pass is a
+    few milliseconds (bench/bench_pipe.py measures it per run: ~0.5-1.5 ms here under load).
     """
     forward: PerStage = 1.0
     backward_input: PerStage = 1.0
     backward_weight: PerStage = 1.0
     send_latency: float = 0.0
     send_overhead: float = 0.0
+    pass_overhead: float = 0.0
 
     def _at(self, name: str, rank: int, num_ranks: int) -> float:
         value = getattr(self, name)
@@ -59,7 +64,7 @@ class StageTimes:
             for rank in range(num_ranks):
                 if self._at(name, rank, num_ranks) < 0:
                     raise ValueError(f"StageTimes.{name} is negative on stage {rank}; times are seconds >= 0")
-        for name in ("send_latency", "send_overhead"):
+        for name in ("send_latency", "send_overhead", "pass_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageTimes.{name} is {getattr(self, name)}; it is seconds >= 0")
 
@@ -194,6 +199,7 @@ def _run(schedule: Schedule, owner: Mapping[int, int], times: StageTimes, chunks
                     b = times._at("backward_input", r, n) / chunks
                     w = times._at("backward_weight", r, n) / chunks
                     cost = {Forward: f, BackwardInput: b, BackwardWeight: w, Backward: b + w}[type(a)]
+                    cost += times.pass_overhead
                     clock[r] += cost
                     busy[r] += cost
                     if isinstance(a, Forward):
