@@ -8,7 +8,9 @@ counts; see `routing.py` for the rules and the papers). `MOELayer` runs GShard's
     dispatch_tokens -> exchange_with_experts -> experts -> exchange_with_experts -> combine_tokens
 
 The two exchanges are the expert-parallel all-to-alls (`all_to_all_single` over the expert process group,
-whose backward is the same all-to-all); with one expert-parallel rank they are the identity.
+whose backward is the same all-to-all); with one expert-parallel rank they are the identity. With
+drop_tokens=False the layer skips the padded [E, C, M] buffers and runs `dropless.dropless_experts` (the
+routes packed per expert, a variable-size all-to-all; `MOELayer.dropless = False` keeps DeepSpeed's padding).
 
 Shapes: S tokens, M model (hidden) size, E experts, k routes per token, C capacity.
 """
