@@ -299,6 +299,7 @@ class DataParallelStrategy(ZeroStrategy):
         self.names = names or [f"#{i}" for i in range(len(params))]
         self.reducer = None
         self.experts = experts
+        self._ranges: list[tuple[int, int]] | None = None  # `_writer_ranges`, once computed
         expert_idx = [i for i, p in enumerate(params) if experts is not None and id(p) in experts.params]
         if params and (dist.get_world_size(group) > 1 or policy.mixed or expert_idx):
             def reducer(subset, comms, average_over=None):
@@ -425,6 +426,8 @@ class DataParallelStrategy(ZeroStrategy):
         equal slices, rank r of `group` (N its size) writing slice r of the replicated state. With expert
         parallelism the experts are cut the same way over their own group (the ranks holding the same
         experts), the other parameters over the data-parallel group."""
+        if self._ranges is not None:  # fixed for the strategy's life: computed once
+            return self._ranges
         masters = self._masters()
         expert = [self.experts is not None and id(p) in self.experts.params for p in self.params]
         out: list[tuple[int, int]] = [(0, 0)] * len(masters)
@@ -436,6 +439,7 @@ class DataParallelStrategy(ZeroStrategy):
             rank = dist.get_rank(group)
             for j, i in enumerate(idx):
                 out[i] = layout.param_shard_range(j, rank)
+        self._ranges = out
         return out
 
     def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
