@@ -32,7 +32,10 @@ not reachable (NotImplementedError, as for checkpoints).
 Lookup: every strategy registers itself in `zero.stage3_context`'s registry of live strategies (weak
 references). A parameter maps to the live stage-3 strategy that manages it (`strategy.managed(param)`),
 else to the most recently built one holding it (`strategy.locate(param)`). What a rank owns comes from
-the strategy's checkpoint protocol (`checkpoint_slots`, `reduced_grad_pieces`; `zero/strategy.py`).
+the strategy's checkpoint protocol (`checkpoint_slots`, `reduced_grad_pieces`; `zero/strategy.py`), and the
+group the all-reduce runs over from `strategy.fragment_group(key)`: the data-parallel group, except for an
+expert with expert parallelism (its expert-data group: the ranks holding the same experts; each rank gets
+its own experts' values, as DeepSpeed's expert parameters).
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ def _full(param: torch.Tensor, field: str) -> torch.Tensor | None:
             for start, end, t in pieces:
                 buf[start:end] = t.detach().to(buf.dtype)
         buf[numel] = 1.0
-    all_reduce(buf, group=strategy.group, logger=strategy.logger)
+    all_reduce(buf, group=strategy.fragment_group(key), logger=strategy.logger)
     if float(buf[numel]) == 0.0:
         return None
     return buf[:numel].view(shape)

@@ -32,8 +32,8 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     over its group too), else None. collectives: the `comm.collectives.GroupCollectives` class (or a
     subclass: a quantized or compressed implementation) the strategy's reducers and all-gathers call,
     instantiated as `collectives(group, logger)`. experts: a `strategy.ExpertGroup` (mixture of experts with
-    expert parallelism: those parameters are reduced over the expert-data group), or None; stage 0 only so far
-    (NotImplementedError at stages >= 1).
+    expert parallelism: those parameters are reduced over the expert-data group; stages 1-2 partition them
+    over it, `stage12_grouped.py`), or None; NotImplementedError at stage 3.
     Raises NotImplementedError for a stage this version does not implement.
     """
     policy = policy or MixedPrecisionPolicy()
@@ -46,10 +46,22 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
         strategy: ZeroStrategy = DataParallelStrategy(params, optimizer, bucket_size=bucket,
                                                       names=[names[id(p)] for p in params], experts=experts,
                                                       **common)
+    elif experts is not None and stage in (1, 2):
+        from .stage12_grouped import GroupedStage12Strategy, ParamSet
+
+        if model_parallel is not None:
+            raise NotImplementedError("expert parallelism at ZeRO stages 1-2 together with tensor or pipeline "
+                                      "parallelism is not supported yet")
+        strategy = GroupedStage12Strategy(
+            module, params, optimizer, stage=stage, sets=[ParamSet(experts.params, experts.group, experts.average_over)],
+            reduce_bucket_size=bucket, allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
+            reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
+            offload=offload, **common)
     elif experts is not None:
         raise NotImplementedError(f"zero_optimization.stage={stage} with expert parallelism (an MoE layer with "
-                                  "ep_size > 1) is not supported yet: its expert parameters must be partitioned over "
-                                  "the expert-data group; use stage 0, or ep_size=1")
+                                  "ep_size > 1) is not supported (DeepSpeed 0.19.8 refuses MoE at stage 3 too): use "
+                                  "stage 1 or 2 (the experts' states are partitioned over the expert-data group), or "
+                                  "ep_size=1")
     elif stage in (1, 2):
         from .stage12 import Stage12Strategy
 

@@ -84,6 +84,10 @@ class Stage12Strategy(ZeroStrategy):
     Raises ValueError (no trainable parameters; wrong optimizer), TypeError (mixed dtypes or devices;
     an optimizer that cannot be built over the partition), NotImplementedError (reduce_scatter=false,
     allgather_partitions=false).
+    average_over: divide the summed gradients by this many ranks instead of the group's size (a mixture of
+    experts: the expert partition is reduced over the expert-data group but averaged over every data-parallel
+    rank, `stage12_grouped.py`). group_of: the optimizer param group of each of `params` when `optimizer` is
+    None but a caller re-targets a shared optimizer itself (`GroupedStage12Strategy`); default all group 0.
     Source: ZeRO, Rajbhandari et al. 2020, §5.1-5.2.
     """
 
@@ -92,7 +96,8 @@ class Stage12Strategy(ZeroStrategy):
                  reduce_scatter: bool = True, allgather_partitions: bool = True, average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
-                 offload=None, collectives: type[GroupCollectives] = GroupCollectives):
+                 offload=None, collectives: type[GroupCollectives] = GroupCollectives,
+                 average_over: int | None = None, group_of: list[int] | None = None):
         if stage not in (1, 2):
             raise ValueError(f"Stage12Strategy implements ZeRO stages 1 and 2, not {stage}")
         for key, value in (("reduce_scatter", reduce_scatter), ("allgather_partitions", allgather_partitions)):
@@ -122,7 +127,10 @@ class Stage12Strategy(ZeroStrategy):
         self.master_device = HOST if offload is not None and offload.policy.optimizer_on_host else device
         separate = policy.mixed or offload is not None and offload.policy.optimizer_on_host
         self.master = self._build_master(master_values or {}) if separate else self.own_params
-        group_of = group_index(optimizer, params, names) if optimizer is not None else [0] * len(params)
+        if optimizer is not None:
+            group_of = group_index(optimizer, params, names)
+        elif group_of is None:
+            group_of = [0] * len(params)
         self.segments = merge_segments(((c, a, b, group_of[i]) for c, a, b, i, _ in self.partition_pieces()),
                                        [s] * layout.num_chunks)
         if offload is not None and offload.policy.optimizer == "nvme":
@@ -144,7 +152,7 @@ class Stage12Strategy(ZeroStrategy):
         self.grads = grads_cls(params, layout, names, comms=comms, average=average,
                                predivide=predivide_factor, dtype=dtype, device=device,
                                grad_dtype=policy.master_dtype if policy.mixed else None,
-                               reduce_dtype=policy.reduce_dtype)
+                               reduce_dtype=policy.reduce_dtype, average_over=average_over)
         self.optimizer = self._build_optimizer(optimizer)
         ctx.register_strategy(self)  # found by utils.tensor_fragment (safe_get_full_*)
 
@@ -259,8 +267,18 @@ class Stage12Strategy(ZeroStrategy):
                                   lambda m, rows, values: own[rows[0]:rows[1]].copy_(values, non_blocking=True))
             self.all_gather_params()
             return
-        self._attach_grad()
+        self.prepare_step()
         self.optimizer.step()
+        self.finish_step()
+
+    def prepare_step(self) -> None:
+        """Before `optimizer.step()` (not NVMe): the fp32 partition gradient is each segment's `.grad`."""
+        self.grads.materialize()
+        self._attach_grad()
+
+    def finish_step(self) -> None:
+        """After `optimizer.step()` (not NVMe): the updated master into this rank's shard of the flat buffer
+        (when separate), then the all-gather. Collective over `group`."""
         if self.master is not self.own_params:
             with torch.no_grad():
                 self.own_params.copy_(self.master)

@@ -62,9 +62,12 @@ class _ChunkReducer(OrderedBucketHooks):
 
     def __init__(self, params, layout: FlatPartition, names, *, comms: GroupCollectives, average: bool,
                  predivide: float, dtype: torch.dtype, device: torch.device,
-                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 average_over: int | None = None):
         self.params, self.layout, self.comms, self.rank = params, layout, comms, comms.rank
-        self.predivide, self.post = gradient_divide_factors(layout.world_size, average=average,
+        # the mean is over average_over ranks (default the group's): an expert partition is summed over the
+        # expert-data group but averaged over every data-parallel rank
+        self.predivide, self.post = gradient_divide_factors(average_over or layout.world_size, average=average,
                                                             predivide_factor=predivide)
         self.dtype, self.device = dtype, device
         self.grad_dtype = grad_dtype or dtype

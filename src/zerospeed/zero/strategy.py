@@ -155,6 +155,11 @@ class ZeroStrategy(abc.ABC):
             return None
         return i, tuple(param.shape), self.params[0].device
 
+    def fragment_group(self, key) -> dist.ProcessGroup | None:
+        """The group over which the pieces of parameter `key` (from `locate`) are disjoint and together whole:
+        `group`, except where a strategy reduces some parameters over another group (stage 0's experts). Local."""
+        return self.group
+
     @abc.abstractmethod
     def reduced_grad_pieces(self, key) -> list[tuple[int, int, torch.Tensor]] | None:
         """This rank's pieces (start, end, 1-D tensor of end - start elements of the flattened parameter)
@@ -441,6 +446,12 @@ class DataParallelStrategy(ZeroStrategy):
                 out[i] = layout.param_shard_range(j, rank)
         self._ranges = out
         return out
+
+    def fragment_group(self, key: int) -> dist.ProcessGroup | None:
+        """An expert's pieces (`_writer_ranges`) are cut over its expert-data group, the rest over `group`."""
+        if self.experts is not None and id(self.params[key]) in self.experts.params:
+            return self.experts.group
+        return self.group
 
     def checkpoint_slots(self, names, *, load: bool) -> list[fragments.Slot]:
         """One slot per parameter master: writing, the part of it inside this rank's slice of the flat
