@@ -134,7 +134,6 @@ def test_removed_optimizers(name):
 
 
 @pytest.mark.parametrize("key,value", [
-    ("expert_parallel", {"enabled": True}),
     ("compile", {"deepcompile": True}), ("hybrid_engine", {"enabled": True}), ("data_efficiency", {"enabled": True}),
     ("weight_quantization", {"post_init_quant": {}}), ("autotuning", {"enabled": True}),
     ("timers", {"throughput": {"enabled": False}}), ("comet", {"enabled": True}), ("sequence_parallel_size", 2),
@@ -142,6 +141,20 @@ def test_removed_optimizers(name):
 ])
 def test_unsupported_top_level_keys(key, value):
     assert f"'{key}' is a DeepSpeed key that zerospeed does not support yet" in error({**BASE, key: value})
+
+
+def test_expert_parallel_block_keeps_deepspeeds_keys():
+    """AutoEP's block: DeepSpeed 0.19.8's keys; kernel knobs accepted, routing overrides and DeepEP refused."""
+    block = {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False,
+             "combine_impl": "weighted_sum", "comm_backend": "comm", "top_k": "auto", "score_func": "auto"}
+    assert cfg(expert_parallel=block).expert_parallel.size == 2
+    assert cfg(expert_parallel={"enabled": False, "autoep_size": 4}).expert_parallel.size == 1
+    assert "expert_parallel.autoep_sise: unknown key; did you mean 'autoep_size'?" in \
+        error({**BASE, "expert_parallel": {"enabled": True, "autoep_sise": 2}})
+    for bad, says in (({"comm_backend": "deepep"}, "needs DeepEP"), ({"load_balance_coeff": 0.01}, "rejects it as well"),
+                      ({"route_norm": True}, "keeps the model's own router"), ({"preset_model": "llama"}, "presets are"),
+                      ({"expert_tensor_parallel_size": 2}, "not implemented yet")):
+        assert says in error({**BASE, "expert_parallel": {"enabled": True, **bad}}), bad
 
 
 @pytest.mark.parametrize("key,value", [("sequence_parallel_size", 1), ("compile", {"deepcompile": False}),

@@ -57,7 +57,6 @@ _ENABLED_OFF = {"enabled": False}
 #: A value equal to the default (or a dict agreeing with it key by key, or a block with
 #: ``"enabled": false``) is a no-op and is accepted; anything else is an error.
 UNSUPPORTED_TOP_LEVEL_DEFAULTS: dict[str, Any] = {
-    "expert_parallel": _ENABLED_OFF,
     "compile": {"deepcompile": False},
     "hybrid_engine": _ENABLED_OFF,
     "data_efficiency": _ENABLED_OFF,

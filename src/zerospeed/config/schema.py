@@ -30,6 +30,7 @@ from .sections import (
     TensorBoardConfig,
     WandbConfig,
 )
+from .expert_parallel import ExpertParallelConfig
 from .pipeline import PipelineConfig
 from .tensor_parallel import TensorParallelConfig, tp_batch_problems
 from .zero import ZeroConfig
@@ -121,6 +122,8 @@ class ZeroSpeedConfig(ConfigModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """AutoEP: the experts of an unmodified Hugging Face MoE model spread over autoep_size ranks."""
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     vocabulary_size: Optional[int] = Field(None, gt=0)

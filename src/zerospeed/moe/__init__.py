@@ -2,9 +2,10 @@
 
 Modules, at DeepSpeed's paths: `layer` (MoE), `sharded_moe` (top1gating / top2gating / topkgating,
 TopKGate, MOELayer), `experts` (Experts), `utils` (is_moe_param,
-split_params_into_different_moe_groups_for_optimizer, ...); `routing` holds the routing rules.
-This version runs with one expert-parallel rank (ep_size=1); expert parallelism comes with the engine
-integration.
+split_params_into_different_moe_groups_for_optimizer, ...); `routing` holds the routing rules, `dropless`
+the dropless expert computation (`drop_tokens=False`), `autoep` AutoEP's expert-parallel replacement of a
+Hugging Face model's fused experts (`"expert_parallel"` in the config). Expert parallelism (ep_size > 1) is
+set up by `zerospeed.initialize` (`runtime/moe_setup.py`) or `MoE.set_deepspeed_parallelism()`.
 """
 from .experts import Experts
 from .layer import MoE

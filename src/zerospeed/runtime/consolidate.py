@@ -132,7 +132,9 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     """
     module, strategy, group = engine.module, engine.strategy, engine.group
     tp = getattr(engine, "tp_translation", None)
-    if tp is not None:  # every rank takes part in the tensor-parallel gathers; global rank 0 writes
+    # expert parallelism: each rank holds its experts only (`checkpoint_moe.ExpertTranslation` gathers them)
+    ex = engine.checkpoint_translation if getattr(engine, "expert_parallel_size", 1) > 1 else None
+    if tp is not None or ex is not None:  # every rank takes part in the gathers; global rank 0 writes
         group = None
     rank = dist.get_rank(group)
     items = []  # (key, tensor)
@@ -140,11 +142,18 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
         if p.requires_grad or not exclude_frozen_parameters:
             items.append((name, p))
     items += [(name, b) for name, b, kind in module_extras(module) if kind == "buffer"]
+    picks: list = [None] * len(items)
+    if ex is not None:  # an MoE layer's local expert i: one entry per rank r of the group, global id r x L + i
+        spread = [(n, t, ex.spread(n)) for n, t in items]
+        items = [(g, t) for n, t, sp in spread for g, _ in (sp or [(n, None)])]
+        picks = [r for _, _, sp in spread for _, r in (sp or [(None, None)])]
     path = Path(save_dir) / save_filename
     own = None
     with strategy.full_values([t for _, t in items]) as full:  # stage 3: one unit gathered at a time
         if tp is not None:
             full = _TensorParallelValues(full, [t for _, t in items], tp)
+        elif ex is not None:
+            full = _ExpertValues(full, [t for _, t in items], picks, ex)
         walk = [(items[i][0], items[i][1], i) for i in full.order]
         try:
             if rank == 0:
@@ -166,9 +175,42 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     return True
 
 
+class _ExpertValues:
+    """`FullValues` under expert parallelism: AutoEP's fused expert tensors all-gathered whole over the expert
+    group (`ExpertTranslation.gather_full`), an `MoE` layer's local expert tensor all-gathered once and entry j
+    reading rank picks[j]'s copy (`gather_spread`); the rest as they are. Every rank reads the same entries in
+    the same order (finish() reads the ones not read yet), so the gathers match."""
+
+    def __init__(self, full, tensors, picks, ex):
+        self.full, self.tensors, self.picks, self.ex = full, tensors, picks, ex
+        self.order = full.order
+        self._done: set[int] = set()
+        self._last: tuple = (None, None)  # (id(tensor), its gathered copies): consecutive entries share it
+
+    def shape(self, i: int):
+        hit = self.ex._by_id.get(id(self.tensors[i]))
+        return hit[1] if hit else tuple(self.full.shape(i))
+
+    def value(self, i: int) -> torch.Tensor:
+        self._done.add(i)
+        t, r = self.tensors[i], self.picks[i]
+        if r is None:
+            return self.ex.gather_full(t, self.full.value(i))
+        if self._last[0] != id(t):
+            self._last = (id(t), self.ex.gather_spread(self.full.value(i)))
+        return self._last[1][r]
+
+    def finish(self) -> None:
+        for i in self.order:
+            if i not in self._done:
+                self.value(i)
+        self.full.finish()
+
+
 class _TensorParallelValues:
     """`FullValues` of tensor-parallel shards: value(i) all-gathers tensor i's shards over the tensor group
-    and assembles the full tensor (`TPTranslation.gather_full`); shape(i) is the full shape. Every rank
+    and assembles the full tensor (`TPTranslation.gather_full`; AutoEP's fused experts over the expert group,
+    `ExpertTranslation.gather_full`); shape(i) is the full shape. Every rank
     must read the same tensors in the same order: finish() reads the ones not read yet."""
 
     def __init__(self, full, tensors, tp):

@@ -304,19 +304,12 @@ class ZeroSpeedEngine(nn.Module):
             raise CheckpointError(f"checkpoint {what} failed on rank {failed[0][0]} ({failed[0][1]})")
         return result
 
-    def _check_expert_checkpoint(self, what: str) -> None:
-        if self.expert_parallel_size > 1:  # every rank of an expert group holds other experts under the same names
-            raise NotImplementedError(f"{what} with expert parallelism (MoE ep_size={self.expert_parallel_size}) is "
-                                      "not supported yet: rank 0 holds only its own experts; use engine."
-                                      "save_checkpoint and `zerospeed to-fp32`, which write every expert")
-
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py; a
         pipeline's stages: runtime/consolidate_pipe.py)."""
         from .checkpoint_pipe import PipeTranslation
 
-        self._check_expert_checkpoint("save_16bit_model")
         if self.mp_world_size > 1 and isinstance(self.checkpoint_translation, PipeTranslation):
             from .consolidate_pipe import save_16bit_model_pipeline  # every stage's layers, sent to rank 0
             return save_16bit_model_pipeline(self, save_dir, save_filename, exclude_frozen_parameters)

@@ -36,8 +36,8 @@ from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
-from .moe_setup import (attach_expert_groups, expert_group, expert_model_parallel_grads, expert_param_ids,
-                        expert_parallel_size)
+from .moe_setup import (apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group, expert_group,
+                        expert_model_parallel_grads, expert_param_ids, expert_parallel_size)
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None, pipeline)  # MoE layers' ep_size
+    autoep = autoep_blocks(cfg, model)  # AutoEP: the HF model's MoE blocks (checked before any process group)
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
 
@@ -366,6 +367,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         for t in list(model.parameters()) + list(model.buffers()):
             if id(t) not in experts or mesh.size("expert_data") > 1:
                 broadcast(t.data, 0, group=mesh.group("expert_data") if id(t) in experts else source_group)
+    if autoep and ep > 1:  # every rank now holds rank 0's full experts: keep this rank's rows
+        model_parameters = remap_parameters(apply_autoep(autoep, ep, mesh.rank("expert")), model_parameters,
+                                            optimizer)
     ties = TiedWeights(model, mesh.group("pipe"), None) if pipeline else None
     if ties:
         ties.synchronize()  # layers tied across stages start equal (before the strategy copies them)
@@ -392,7 +396,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
                               model_parallel=_model_parallel_grads(model, mesh, pipeline, ties)
-                              or expert_model_parallel_grads(model, mesh),
+                              or expert_model_parallel_grads(model, mesh, cfg.zero_optimization.stage),
                               experts=expert_group(model, mesh))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
@@ -419,7 +423,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if ep > 1:  # each expert saved under its global id
         from .checkpoint_moe import ExpertTranslation
 
-        engine.checkpoint_translation = ExpertTranslation(model, mesh.rank("expert"))
+        engine.checkpoint_translation = ExpertTranslation(model, mesh.rank("expert"), expert_comm_group(mesh))
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):

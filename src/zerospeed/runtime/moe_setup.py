@@ -7,8 +7,10 @@ experts, so (DeepSpeed-MoE, Rajbhandari et al. 2022 §4):
 
 * expert parameters start equal over "expert_data" (the ranks holding the same experts), not the world;
 * their gradients are summed over "expert_data" and divided by the data-parallel size (`ExpertGroup`);
-* the global gradient norm sums the experts' squares over "expert" too, the dense parameters (identical on
-  every rank of it) counted once (`ModelParallelGrads` over the "expert" group, dense = replicated).
+* at stage 0 the global gradient norm sums the experts' squares over "expert" too, the dense parameters
+  (identical on every rank of it) counted once (`ModelParallelGrads` over the "expert" group, dense =
+  replicated); at stages 1-2 the experts are partitioned over "expert_data" (`zero.stage12_grouped`) and
+  every element has one owner in the world, so the partitions' squares are summed over "data".
 """
 from __future__ import annotations
 
@@ -18,26 +20,92 @@ from torch import nn
 from ..config import ConfigError
 
 __all__ = ["moe_layers", "expert_parallel_size", "expert_param_ids", "attach_expert_groups", "expert_group",
-           "expert_model_parallel_grads"]
+           "expert_model_parallel_grads", "autoep_blocks", "apply_autoep"]
 
 
 def moe_layers(model: nn.Module) -> list:
-    """The model's `zerospeed.moe.sharded_moe.MOELayer`s (the inner layer of every `MoE`)."""
+    """The model's expert-holding layers: `zerospeed.moe.sharded_moe.MOELayer`s (the inner layer of every `MoE`)
+    and AutoEP's `moe.autoep.ExpertParallelExperts`."""
+    from ..moe.autoep import ExpertParallelExperts
     from ..moe.sharded_moe import MOELayer
 
-    return [m for m in model.modules() if isinstance(m, MOELayer)]
+    return [m for m in model.modules() if isinstance(m, (MOELayer, ExpertParallelExperts))]
+
+
+def _expert_params(layer):
+    return layer.expert_parameters() if hasattr(layer, "expert_parameters") else layer.experts.parameters()
+
+
+def autoep_blocks(cfg, model: nn.Module) -> list:
+    """AutoEP (`expert_parallel.enabled`): the model's MoE blocks (`moe.autoep.find_moe_blocks` with the config's
+    patterns), checked against the config before any process group: raises ConfigError for no block found
+    (naming the MoE-like module types seen and the keys to set), a preset_model that is not the model's type,
+    a top_k other than the model's, num_experts not divisible by autoep_size. [] when AutoEP is off."""
+    from ..config.expert_parallel import PRESET_MODELS
+    from ..moe.autoep import find_moe_blocks, fused_experts_problem
+
+    ep_cfg = cfg.expert_parallel
+    if not ep_cfg.enabled:
+        return []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if ep_cfg.preset_model is not None and model_type not in PRESET_MODELS[ep_cfg.preset_model]:
+        raise ConfigError(f"expert_parallel.preset_model={ep_cfg.preset_model!r} is for model type(s) "
+                          f"{list(PRESET_MODELS[ep_cfg.preset_model])}, but the model's config.model_type is "
+                          f"{model_type!r}; remove preset_model (the MoE blocks are detected) or fix it")
+    try:
+        blocks = find_moe_blocks(model, moe_layer_pattern=ep_cfg.moe_layer_pattern,
+                                 expert_pattern=ep_cfg.expert_pattern, router_pattern=ep_cfg.router_pattern)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not blocks:
+        seen = sorted({type(m).__name__ for m in model.modules()
+                       if any(w in type(m).__name__.lower() for w in ("moe", "expert", "router"))})
+        why = sorted({f"{type(m).__name__}: {fused_experts_problem(m)}" for m in model.modules()
+                      if "expert" in type(m).__name__.lower()})
+        raise ConfigError(f"expert_parallel.enabled but no MoE block with transformers' fused experts (3-D "
+                          f"gate_up_proj / down_proj, called with top_k_index and top_k_weights) was found in "
+                          f"{type(model).__name__}; MoE-like module types seen: {seen or 'none'}"
+                          f"{' (' + '; '.join(why) + ')' if why else ''}. Set expert_parallel.moe_layer_pattern "
+                          "(regex over block names), expert_pattern and router_pattern (child names), or disable it")
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    if ep_cfg.top_k != "auto" and ep_cfg.top_k != k:
+        raise ConfigError(f"expert_parallel.top_k={ep_cfg.top_k} but the model routes to {k} experts per token "
+                          "(config.num_experts_per_tok); AutoEP keeps the model's own router: remove top_k")
+    for b in blocks:
+        if b.num_experts % ep_cfg.autoep_size:
+            raise ConfigError(f"expert_parallel.autoep_size={ep_cfg.autoep_size} does not divide the "
+                              f"{b.num_experts} experts of {b.name}; use a divisor of {b.num_experts}")
+    return blocks
+
+
+def apply_autoep(blocks: list, ep_size: int, ep_rank: int) -> dict:
+    """Replace each block's experts module by this rank's `ExpertParallelExperts` (rows ep_rank x E/ep_size ..
+    of its weights, which every rank must already hold equal). Returns {id(full parameter): local parameter}
+    for re-pointing a client optimizer (`tp_setup.remap_parameters`)."""
+    from ..moe.autoep import ExpertParallelExperts
+
+    mapping = {}
+    for b in blocks:
+        full = b.experts
+        local = ExpertParallelExperts.from_full(full, ep_size, ep_rank)
+        mapping[id(full.gate_up_proj)] = local.gate_up_proj
+        mapping[id(full.down_proj)] = local.down_proj
+        setattr(b.block, b.experts_name, local)
+    return mapping
 
 
 def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
-    """The ep_size shared by the model's MoE layers with ep_size > 1, or 1. Pure (no process group): raises
-    ConfigError when layers differ in ep_size, NotImplementedError for what expert parallelism does not
-    compose with yet (a pipeline, tensor parallelism, a user's mpu, ZeRO stages >= 1)."""
-    sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1})
+    """The ep_size shared by the model's MoE layers with ep_size > 1 and AutoEP's autoep_size, or 1. Pure (no
+    process group): raises ConfigError when they differ, NotImplementedError for what expert parallelism does
+    not compose with (a pipeline, tensor parallelism, a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
+    sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1} |
+                   ({cfg.expert_parallel.size} if cfg.expert_parallel.size > 1 else set()))
     if not sizes:
         return 1
     if len(sizes) > 1:
-        raise ConfigError(f"the model's MoE layers use different ep_size values {sizes}: zerospeed builds one "
-                          "expert-parallel mesh dimension, so give every MoE layer the same ep_size")
+        raise ConfigError(f"the model's MoE layers (and expert_parallel.autoep_size) use different ep_size values "
+                          f"{sizes}: zerospeed builds one expert-parallel mesh dimension, so give every MoE layer "
+                          "the same ep_size")
     ep = sizes[0]
     blockers = [what for what, on in (("a PipelineModule", pipeline), ("tensor parallelism (tensor_parallel."
                                       "autotp_size > 1)", cfg.tensor_parallel.size > 1), ("initialize(mpu=...)",
@@ -45,16 +113,20 @@ def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
     if blockers:
         raise NotImplementedError(f"MoE layers with ep_size={ep} together with {blockers[0]} are not supported yet: "
                                   "use ep_size=1 there (every expert on every rank)")
-    if cfg.zero_optimization.stage > 0:
-        raise NotImplementedError(f"MoE layers with ep_size={ep} at zero_optimization.stage="
-                                  f"{cfg.zero_optimization.stage} are not supported yet (expert parameters must be "
-                                  "partitioned over the expert-data group): use stage 0, or ep_size=1")
+    if cfg.zero_optimization.stage == 3:
+        raise NotImplementedError(f"MoE layers with ep_size={ep} at zero_optimization.stage=3 are not supported "
+                                  "(DeepSpeed 0.19.8 refuses MoE at stage 3 too): use stage 1 or 2, whose expert "
+                                  "optimizer states and gradients are partitioned over the expert-data group, or ep_size=1")
+    offload = cfg.zero_optimization.offload_optimizer
+    if cfg.zero_optimization.stage > 0 and offload is not None and offload.device == "nvme":
+        raise NotImplementedError(f"MoE layers with ep_size={ep} with zero_optimization.offload_optimizer.device="
+                                  "nvme are not supported yet: use device \"cpu\" (or none), or ep_size=1")
     return ep
 
 
 def expert_param_ids(model: nn.Module) -> frozenset:
     """id()s of the parameters of the experts of every MoE layer with ep_size > 1."""
-    return frozenset(id(p) for layer in moe_layers(model) if layer.ep_size > 1 for p in layer.experts.parameters())
+    return frozenset(id(p) for layer in moe_layers(model) if layer.ep_size > 1 for p in _expert_params(layer))
 
 
 def _group(mesh, name: str):
@@ -66,6 +138,11 @@ def _group(mesh, name: str):
     if mesh.size(name) > 1:
         return dist.group.WORLD
     return dist.new_subgroups(group_size=1)[0]
+
+
+def expert_comm_group(mesh):
+    """The mesh's "expert" group as a real process group (`_group`)."""
+    return _group(mesh, "expert")
 
 
 def attach_expert_groups(model: nn.Module, mesh, logger=None) -> None:
@@ -88,12 +165,13 @@ def expert_group(model: nn.Module, mesh):
                        average_over=mesh.size("data"))
 
 
-def expert_model_parallel_grads(model: nn.Module, mesh):
-    """`ModelParallelGrads` over the "expert" group: expert gradients are disjoint across it, the others
-    replicated (counted once). None without expert parallelism."""
+def expert_model_parallel_grads(model: nn.Module, mesh, stage: int = 0):
+    """`ModelParallelGrads` over the "expert" group for stage 0's whole gradients: expert gradients are disjoint
+    across it, the others replicated (counted once). None without expert parallelism, and at stages >= 1
+    (partitions: every element has one owner)."""
     from ..zero.clipping import ModelParallelGrads
 
-    if mesh.size("expert") == 1:
+    if mesh.size("expert") == 1 or stage > 0:
         return None
     experts = expert_param_ids(model)
     return ModelParallelGrads(group=_group(mesh, "expert"), size=mesh.size("expert"),
