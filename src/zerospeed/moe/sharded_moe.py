@@ -152,15 +152,17 @@ class TopKGate(nn.Module):
             x = multiplicative_jitter(x, device=input.device)
         logits = nn.functional.linear(x, weight=self.wg.weight.float())
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        # drop_tokens=False sizes the padded buffers by the largest load over the group (an all-reduce MAX);
+        # MOELayer's dropless path needs no common capacity and clears sync_capacity (local largest load)
+        group = self.ep_group if getattr(self, "sync_capacity", True) else None
         if self.k == 1:
             noisy = self.noisy_gate_policy if self.training else None
             return route_top1(logits, factor, self.min_capacity, used_token, noisy, self.drop_tokens, self.use_rts,
-                              self.ep_group)
+                              group)
         if self.k == 2:
-            return route_top2(logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+            return route_top2(logits, factor, self.min_capacity, self.drop_tokens, group,
                               self.top2_2nd_expert_sampling, used_token)
-        return route_topk(logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group,
-                          used_token=used_token)
+        return route_topk(logits, self.k, factor, self.min_capacity, self.drop_tokens, group, used_token=used_token)
 
     def forward(self, input: Tensor, used_token: Tensor | None = None, sparse_routes: bool = False,
                 use_tutel: bool = False):
@@ -281,6 +283,7 @@ class MOELayer(nn.Module):
         started = time.perf_counter() if self.wall_clock_breakdown else 0.0
         model_dim = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model_dim)
+        self.gate.sync_capacity = not self.dropless
         (self.l_aux, capacity, num_experts, indices, locations, weights,
          self.exp_counts) = self.gate(tokens, used_token, True, self.use_tutel)
         if self.dropless:
