@@ -16,13 +16,13 @@ transformers = pytest.importorskip("transformers")
 STEPS, BATCH, SEQ, VOCAB, E = 3, 2, 8, 64, 4
 
 
-def _model(kind: str):
+def _model(kind: str, kv_heads: int = 1):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.02,
                   attn_implementation="eager")
     if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=32, num_key_value_heads=1, num_local_experts=E,
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_key_value_heads=kv_heads, num_local_experts=E,
                                          num_experts_per_tok=2, **common)
         return transformers.MixtralForCausalLM(cfg)
     if kind == "qwen3_moe":
@@ -42,17 +42,17 @@ def _batches(world: int):
     return [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(world)] for _ in range(STEPS)]
 
 
-def _reference(kind: str, world: int):
-    model = _model(kind)
+def _reference(kind: str, world: int, kv_heads: int = 1):
+    model = _model(kind, kv_heads)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     losses = []
     for batch in _batches(world):
         out = [model(input_ids=ids, labels=ids).loss for ids in batch]
         opt.zero_grad()
         (sum(out) / world).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
-        losses.append([float(x.detach()) for x in out])
+        losses.append([float(x.detach()) for x in out] + [norm])
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -63,36 +63,59 @@ def _config(stage: int) -> dict:
             "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": True}}
 
 
-def _run(rank: int, world: int, kind: str, stage: int):
+# AutoTP over the attention (q/k/v column-parallel, o row-parallel); the router and experts stay whole
+TP_BLOCK = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*self_attn\.(q|k|v)_proj\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*self_attn\.o_proj\.weight$"], "partition_type": "row"}]}}
+
+
+def _run(rank: int, world: int, kind: str, stage: int, tp: int = 1):
     import zerospeed
     from zerospeed.moe.autoep import ExpertParallelExperts
+    from zerospeed.tensor_parallel import tensor_parallel_layers
 
-    engine, *_ = zerospeed.initialize(model=_model(kind), config=_config(stage))
+    cfg = _config(stage)
+    if tp > 1:
+        cfg["tensor_parallel"] = TP_BLOCK
+    engine, *_ = zerospeed.initialize(model=_model(kind, 2 if tp > 1 else 1), config=cfg)
     blocks = [m for m in engine.module.modules() if isinstance(m, ExpertParallelExperts)]
     assert blocks and all(b.num_local_experts == E // 2 for b in blocks)
+    data_rank = dist.get_rank(engine.group)  # the tensor-parallel ranks of one replica read the same batch
     losses = []
-    for batch in _batches(world):
-        ids = batch[rank]
+    for batch in _batches(world // tp):
+        ids = batch[data_rank]
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}, dist.get_rank() % 2
+        losses.append((float(loss.detach()), engine.get_global_grad_norm()))
+    specs = {f"{name}.{pn}": s for name, layer in tensor_parallel_layers(engine.module)
+             for pn, s in layer.shard_specs.items() if s is not None}  # the tensor-parallel shards held here
+    return losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}, engine.mesh.rank("expert"), \
+        data_rank, specs
 
 
-@pytest.mark.parametrize("kind,world,stage", [("mixtral", 2, 0), ("mixtral", 4, 2), ("qwen3_moe", 2, 2),
-                                              ("qwen3_moe", 4, 0), ("deepseek_v3", 2, 2)])
-def test_autoep_trains_as_the_unmodified_model(kind, world, stage):
-    results = run_distributed(_run, world, kind, stage)
-    ref_losses, ref_params = _reference(kind, world)
-    for rank, (losses, params, ep_rank) in enumerate(results):
-        for step, loss in enumerate(losses):
-            assert loss == pytest.approx(ref_losses[step][rank], rel=1e-5), (step, rank)
+@pytest.mark.parametrize("kind,world,stage,tp", [("mixtral", 2, 0, 1), ("mixtral", 4, 2, 1), ("qwen3_moe", 2, 2, 1),
+                                                 ("qwen3_moe", 4, 0, 1), ("deepseek_v3", 2, 2, 1),
+                                                 ("mixtral", 4, 0, 2), ("mixtral", 4, 2, 2)])
+def test_autoep_trains_as_the_unmodified_model(kind, world, stage, tp):
+    """tp 2 (world 4): AutoTP over the attention and AutoEP at ep 2 over each tensor rank's data group."""
+    results = run_distributed(_run, world, kind, stage, tp)
+    ref_losses, ref_params = _reference(kind, world // tp, 2 if tp > 1 else 1)
+    from zerospeed.tensor_parallel import shard_tensor
+
+    for rank, (losses, params, ep_rank, data_rank, specs) in enumerate(results):
+        assert len(specs) == (8 if tp > 1 else 0)  # q, k, v, o of 2 layers
+        for step, (loss, norm) in enumerate(losses):
+            assert loss == pytest.approx(ref_losses[step][data_rank], rel=1e-5), (step, rank)
+            # the global norm (every expert and every shard once; clipping at 1.0 is active when it is larger)
+            assert norm == pytest.approx(ref_losses[step][-1], rel=1e-5), (step, rank)
         assert set(params) == set(ref_params)
         for n, p in params.items():
             want = ref_params[n]
             if n.endswith(("experts.gate_up_proj", "experts.down_proj")):  # this rank's E / 2 rows
                 want = want[ep_rank * (E // 2):(ep_rank + 1) * (E // 2)]
+            if n in specs:
+                want = shard_tensor(want, specs[n])
             torch.testing.assert_close(p, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {n} {m}")
 
 
@@ -115,15 +138,18 @@ def test_autoep_bad_configs():
         zerospeed.initialize(model=_model("mixtral"), config=cfg(score_func="sigmoid"))
 
 
-def _save_run(rank: int, world: int, ckpt: str, mode: str, ep: int):
-    """mode "save": 2 steps at `ep`, save_checkpoint + save_16bit_model, a 3rd step; "resume": load, the 3rd
-    step. Returns the 3rd step's loss."""
+def _save_run(rank: int, world: int, ckpt: str, mode: str, ep: int, tp: int = 1):
+    """mode "save": 2 steps at `ep` (and tensor-parallel size `tp`), save_checkpoint + save_16bit_model, a 3rd
+    step; "resume": load, the 3rd step. Returns the 3rd step's loss and this rank's data-parallel rank."""
     import zerospeed
 
     cfg = _config(2)
     cfg["expert_parallel"]["autoep_size"] = ep
-    engine, *_ = zerospeed.initialize(model=_model("mixtral"), config=cfg)
-    batches = _batches(world)
+    if tp > 1:
+        cfg["tensor_parallel"] = TP_BLOCK
+    engine, *_ = zerospeed.initialize(model=_model("mixtral", 2), config=cfg)
+    batches = _batches(world // tp)
+    rank = dist.get_rank(engine.group)
     if mode == "save":
         for ids in (b[rank] for b in batches[:2]):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -136,22 +162,24 @@ def _save_run(rank: int, world: int, ckpt: str, mode: str, ep: int):
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()
-    return float(loss.detach())
+    return float(loss.detach()), rank
 
 
-def test_autoep_checkpoint_and_16bit_model(tmp_path):
-    """Saved at ep 2 (ZeRO 2): the checkpoint holds the whole Hugging Face expert tensors, so it resumes at ep 1
-    (every rank every expert) with the same next-step loss; save_16bit_model writes HF-named full weights that
-    `from_pretrained` loads into a model equal to the trained one (its next-step loss is the run's)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_autoep_checkpoint_and_16bit_model(tmp_path, tp):
+    """Saved at ep 2 (ZeRO 2; tp 2: world 4, AutoTP over the attention): the checkpoint holds the whole Hugging
+    Face tensors, so it resumes at ep 1 and tp 1 (world 2, every rank every expert) with the same next-step
+    loss; save_16bit_model writes HF-named full weights that `from_pretrained` loads into a model equal to the
+    trained one (its next-step loss is the run's)."""
     from safetensors.torch import load_file
 
     ckpt = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_run, 2, ckpt, "save", 2)
-    resumed = run_distributed(_save_run, 2, ckpt, "resume", 1)
+    saved = {r: loss for loss, r in run_distributed(_save_run, 2 * tp, ckpt, "save", 2, tp)}  # data rank -> loss
+    resumed = {r: loss for loss, r in run_distributed(_save_run, 2, ckpt, "resume", 1)}
     for rank in range(2):
         assert resumed[rank] == pytest.approx(saved[rank], rel=1e-6), rank
     state = load_file(f"{ckpt}_hf/model.safetensors")
-    model = _model("mixtral")
+    model = _model("mixtral", 2)
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 64, 16)
     assert set(state) == set(model.state_dict())
     model.config.save_pretrained(f"{ckpt}_hf")  # the user's config.json beside the weights

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..comm.ops import start_all_gather
 
-__all__ = ["ExpertTranslation"]
+__all__ = ["ExpertTranslation", "ChainedTranslation"]
 
 _EXPERT = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
 
@@ -129,3 +129,24 @@ class ExpertTranslation:
             return True
         lo, hi = self.ranges[m["head"]]
         return lo <= int(m["index"]) < hi
+
+
+class ChainedTranslation:
+    """Tensor parallelism composed with expert parallelism: `tp` (`checkpoint_tp.TPTranslation`: shards to full
+    tensors; the experts, replicated over the tensor group, written by its first rank) and then `ex`
+    (`ExpertTranslation`: global expert names, AutoEP's rows in full-tensor coordinates)."""
+
+    def __init__(self, tp, ex: ExpertTranslation):
+        self.tp, self.ex = tp, ex
+
+    def global_name(self, name: str) -> str:
+        return self.ex.global_name(name)
+
+    def full_shape(self, name: str, shape) -> tuple:
+        return self.ex.full_shape(name, self.tp.full_shape(name, shape))
+
+    def frags(self, frags, *, load: bool):
+        return self.ex.frags(self.tp.frags(frags, load=load), load=load)
+
+    def owns(self, name: str) -> bool:
+        return self.ex.owns(name)

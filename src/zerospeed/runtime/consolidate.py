@@ -133,7 +133,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     module, strategy, group = engine.module, engine.strategy, engine.group
     tp = getattr(engine, "tp_translation", None)
     # expert parallelism: each rank holds its experts only (`checkpoint_moe.ExpertTranslation` gathers them)
-    ex = engine.checkpoint_translation if getattr(engine, "expert_parallel_size", 1) > 1 else None
+    ex = getattr(engine, "expert_translation", None)
     if tp is not None or ex is not None:  # every rank takes part in the gathers; global rank 0 writes
         group = None
     rank = dist.get_rank(group)
@@ -152,7 +152,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     with strategy.full_values([t for _, t in items]) as full:  # stage 3: one unit gathered at a time
         if tp is not None:
             full = _TensorParallelValues(full, [t for _, t in items], tp)
-        elif ex is not None:
+        if ex is not None:  # (after the tensor-parallel gathers: experts are replicated over the tensor group)
             full = _ExpertValues(full, [t for _, t in items], picks, ex)
         walk = [(items[i][0], items[i][1], i) for i in full.order]
         try:

@@ -78,6 +78,7 @@ class ZeroSpeedEngine(nn.Module):
         # how this rank's parameters map onto a checkpoint's full tensors: the TPTranslation, a pipeline's
         # runtime.checkpoint_pipe.PipeTranslation, or None (set by initialize)
         self.checkpoint_translation = None
+        self.expert_translation = None  # runtime.checkpoint_moe.ExpertTranslation with expert parallelism
         self.expert_parallel_size = 1  # MoE layers' ep_size (set by initialize)
         self.global_steps = 0
         self.global_samples = 0

@@ -37,7 +37,7 @@ from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
 from .moe_setup import (apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group, expert_group,
-                        expert_model_parallel_grads, expert_param_ids, expert_parallel_size)
+                        expert_param_ids, expert_parallel_size)
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +334,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None, pipeline)  # MoE layers' ep_size
+    if ep > 1 and tp_mesh is not None:
+        raise NotImplementedError(f"MoE layers with ep_size={ep} in a model sharded by zerospeed.tp_model_init are "
+                                  "not supported yet: use tensor_parallel.autotp_size in the config instead")
     autoep = autoep_blocks(cfg, model)  # AutoEP: the HF model's MoE blocks (checked before any process group)
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
@@ -365,8 +368,12 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     experts = expert_param_ids(model) if ep > 1 else frozenset()  # different on every rank of an "expert" group
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            if id(t) not in experts or mesh.size("expert_data") > 1:
-                broadcast(t.data, 0, group=mesh.group("expert_data") if id(t) in experts else source_group)
+            if id(t) not in experts:
+                broadcast(t.data, 0, group=source_group)
+                continue
+            for name in ("expert_data", "tensor"):  # this rank's experts from its first replica (replicated over TP)
+                if mesh.size(name) > 1:
+                    broadcast(t.data, 0, group=mesh.group(name))
     if autoep and ep > 1:  # every rank now holds rank 0's full experts: keep this rank's rows
         model_parameters = remap_parameters(apply_autoep(autoep, ep, mesh.rank("expert")), model_parameters,
                                             optimizer)
@@ -395,8 +402,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
-                              model_parallel=_model_parallel_grads(model, mesh, pipeline, ties)
-                              or expert_model_parallel_grads(model, mesh, cfg.zero_optimization.stage),
+                              model_parallel=_model_parallel_grads(model, mesh, pipeline, ties),
                               experts=expert_group(model, mesh))
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
@@ -423,7 +429,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if ep > 1:  # each expert saved under its global id
         from .checkpoint_moe import ExpertTranslation
 
-        engine.checkpoint_translation = ExpertTranslation(model, mesh.rank("expert"), expert_comm_group(mesh))
+        engine.checkpoint_translation = engine.expert_translation = ExpertTranslation(model, mesh.rank("expert"),
+                                                                                      expert_comm_group(mesh))
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):
@@ -431,6 +438,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         from .checkpoint_tp import TPTranslation
 
         engine.checkpoint_translation = engine.tp_translation = TPTranslation(model, mesh)
+        if ep > 1:  # shards to full tensors, then experts to global names
+            from .checkpoint_moe import ChainedTranslation
+
+            engine.checkpoint_translation = ChainedTranslation(engine.tp_translation, engine.expert_translation)
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

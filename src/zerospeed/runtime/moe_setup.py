@@ -7,10 +7,14 @@ experts, so (DeepSpeed-MoE, Rajbhandari et al. 2022 §4):
 
 * expert parameters start equal over "expert_data" (the ranks holding the same experts), not the world;
 * their gradients are summed over "expert_data" and divided by the data-parallel size (`ExpertGroup`);
-* at stage 0 the global gradient norm sums the experts' squares over "expert" too, the dense parameters
-  (identical on every rank of it) counted once (`ModelParallelGrads` over the "expert" group, dense =
-  replicated); at stages 1-2 the experts are partitioned over "expert_data" (`zero.stage12_grouped`) and
-  every element has one owner in the world, so the partitions' squares are summed over "data".
+* the global gradient norm: every element has one owner over "data" (stage 0: each rank's writer slice of
+  the replicated gradients, the experts cut over "expert_data"; stages 1-2: the partitions, the experts
+  partitioned over "expert_data", `zero.stage12_grouped`), so the owned squares are summed over "data";
+  with tensor parallelism the experts (replicated over "tensor") count once, as the other replicated
+  parameters (`ModelParallelGrads`).
+
+With tensor parallelism (AutoTP) the expert groups are carved from each tensor rank's data group, so the
+ranks of a tensor group run the same tokens through the same experts (replicated, not sharded).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from torch import nn
 from ..config import ConfigError
 
 __all__ = ["moe_layers", "expert_parallel_size", "expert_param_ids", "attach_expert_groups", "expert_group",
-           "expert_model_parallel_grads", "autoep_blocks", "apply_autoep"]
+           "autoep_blocks", "apply_autoep", "expert_comm_group"]
 
 
 def moe_layers(model: nn.Module) -> list:
@@ -97,7 +101,7 @@ def apply_autoep(blocks: list, ep_size: int, ep_rank: int) -> dict:
 def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
     """The ep_size shared by the model's MoE layers with ep_size > 1 and AutoEP's autoep_size, or 1. Pure (no
     process group): raises ConfigError when they differ, NotImplementedError for what expert parallelism does
-    not compose with (a pipeline, tensor parallelism, a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
+    not compose with (a pipeline, a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
     sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1} |
                    ({cfg.expert_parallel.size} if cfg.expert_parallel.size > 1 else set()))
     if not sizes:
@@ -107,9 +111,8 @@ def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
                           f"{sizes}: zerospeed builds one expert-parallel mesh dimension, so give every MoE layer "
                           "the same ep_size")
     ep = sizes[0]
-    blockers = [what for what, on in (("a PipelineModule", pipeline), ("tensor parallelism (tensor_parallel."
-                                      "autotp_size > 1)", cfg.tensor_parallel.size > 1), ("initialize(mpu=...)",
-                                      mpu is not None)) if on]
+    blockers = [what for what, on in (("a PipelineModule", pipeline), ("initialize(mpu=...)", mpu is not None))
+                if on]
     if blockers:
         raise NotImplementedError(f"MoE layers with ep_size={ep} together with {blockers[0]} are not supported yet: "
                                   "use ep_size=1 there (every expert on every rank)")
@@ -163,16 +166,3 @@ def expert_group(model: nn.Module, mesh):
         return None
     return ExpertGroup(params=expert_param_ids(model), group=_group(mesh, "expert_data"),
                        average_over=mesh.size("data"))
-
-
-def expert_model_parallel_grads(model: nn.Module, mesh, stage: int = 0):
-    """`ModelParallelGrads` over the "expert" group for stage 0's whole gradients: expert gradients are disjoint
-    across it, the others replicated (counted once). None without expert parallelism, and at stages >= 1
-    (partitions: every element has one owner)."""
-    from ..zero.clipping import ModelParallelGrads
-
-    if mesh.size("expert") == 1 or stage > 0:
-        return None
-    experts = expert_param_ids(model)
-    return ModelParallelGrads(group=_group(mesh, "expert"), size=mesh.size("expert"),
-                              replicated=frozenset(id(p) for p in model.parameters() if id(p) not in experts))

@@ -61,7 +61,7 @@ class ModelParallelGrads:
 def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
                   groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None,
                   replicated: Sequence[torch.Tensor] = (), replicas: int = 1,
-                  excluded: Sequence[torch.Tensor] = ()) -> float:
+                  excluded: Sequence[torch.Tensor] = (), clip: Sequence[torch.Tensor] | None = None) -> float:
     """Global gradient 2-norm; clip `grads` in place to `max_norm` if it is > 0 and the norm is finite.
 
     grads: this rank's part of the gradient (any shapes/strides/dtypes, one device; padding must be
@@ -75,7 +75,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     gradients that `replicas` ranks of the last group hold identically (a tensor-parallel run's
     replicated parameters: norms, embeddings); their squares are weighted 1/replicas, so after the sum
     over that group each counts once (`ModelParallelGrads`). excluded: views (within `grads`) whose
-    squares another rank counts (weight 0 here: a pipeline's tied weights).
+    squares another rank counts (weight 0 here: a pipeline's tied weights). clip: the tensors to scale when
+    clipping, if not `grads` themselves (stage 0 with experts norms its owned slices but clips whole gradients).
 
     Algorithm: `sum_of_squares` (fp32 norms of 64K-element pieces, summed in float64), one 1-element
     all-reduce per group, sqrt; clip coefficient min(1, max_norm / (norm + 1e-6)) in fp32, as
@@ -93,7 +94,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     for group in groups:
         all_reduce(sq, group=group, logger=logger)
     norm = math.sqrt(float(sq))
-    if max_norm > 0 and grads and math.isfinite(norm):
+    targets = list(grads if clip is None else clip)
+    if max_norm > 0 and targets and math.isfinite(norm):
         coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        torch._foreach_mul_(targets, coef.to(targets[0].device))
     return norm

@@ -49,9 +49,6 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
     elif experts is not None and stage in (1, 2):
         from .stage12_grouped import GroupedStage12Strategy, ParamSet
 
-        if model_parallel is not None:
-            raise NotImplementedError("expert parallelism at ZeRO stages 1-2 together with tensor or pipeline "
-                                      "parallelism is not supported yet")
         strategy = GroupedStage12Strategy(
             module, params, optimizer, stage=stage, sets=[ParamSet(experts.params, experts.group, experts.average_over)],
             reduce_bucket_size=bucket, allgather_bucket_size=int(zero_cfg.allgather_bucket_size),

@@ -38,7 +38,6 @@ from ..comm.collectives import GroupCollectives
 from ..comm.logger import CommsLogger
 from ..precision import MixedPrecisionPolicy
 from . import fragments
-from .clipping import clip_and_norm
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, retarget
 from .stage12 import Stage12Strategy
@@ -151,7 +150,7 @@ class GroupedStage12Strategy(ZeroStrategy):
             if loss_scale != 1.0:
                 g.mul_(1.0 / loss_scale)
             grads.append(g)
-        return clip_and_norm(grads, max_norm, groups=(self.group,), logger=self.logger)
+        return self._norm(grads, max_norm, (self.group,))  # + tensor parallelism: the replicated counted once
 
     def nonfinite_grad_names(self, limit: int = 5) -> list[str]:
         """Each part's (collective over its group), the dense parameters' first."""

@@ -60,20 +60,20 @@ class ZeroStrategy(abc.ABC):
     # tensor parallelism: how the gradient is split over the model-parallel group (set by build_strategy)
     model_parallel: ModelParallelGrads | None = None
 
-    def _norm(self, grads: list[torch.Tensor], max_norm: float, groups: tuple) -> float:
+    def _norm(self, grads: list[torch.Tensor], max_norm: float, groups: tuple, clip=None) -> float:
         """`clip_and_norm` of this rank's gradient parts `grads` (disjoint over `groups`), with the
         tensor-parallel group appended and the replicated parameters' pieces (`reduced_grad_pieces`)
-        counted once when `model_parallel` is set."""
+        counted once when `model_parallel` is set. clip: what to scale, if not `grads`."""
         mp = self.model_parallel
         if mp is None or mp.size == 1:
-            return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None))
+            return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None), clip=clip)
         replicated, excluded = [], []
         for p in self.managed_for_norm():
             if (id(p) in mp.replicated or id(p) in mp.excluded) and (where := self.locate(p)) is not None:
                 pieces = [t for _, _, t in self.reduced_grad_pieces(where[0]) or []]
                 (replicated if id(p) in mp.replicated else excluded).extend(pieces)
         return clip_and_norm(grads, max_norm, groups=(*groups, mp.group), logger=getattr(self, "logger", None),
-                             replicated=replicated, replicas=mp.size, excluded=excluded)
+                             replicated=replicated, replicas=mp.size, excluded=excluded, clip=clip)
 
     def managed_for_norm(self) -> list[torch.Tensor]:
         """The trainable parameters whose gradients this strategy norms (default `self.params`)."""
@@ -377,6 +377,13 @@ class DataParallelStrategy(ZeroStrategy):
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         flat = [g.view(-1) if g.is_contiguous() else g for g in grads]
+        if self.experts is not None:
+            # expert parallelism: ranks of an expert group hold different experts, so each rank counts the slice
+            # of every gradient it owns (`_writer_ranges`: the experts cut over their expert-data group, the rest
+            # over the data-parallel group), summed over the data-parallel group: every element once; the whole
+            # gradients are clipped
+            owned = [t for i in range(len(self.params)) for _, _, t in self.reduced_grad_pieces(i) or []]
+            return self._norm(owned, max_norm, (self.group,), clip=flat)
         mp = self.model_parallel
         if mp is None or mp.size == 1:
             return clip_and_norm(flat, max_norm)
