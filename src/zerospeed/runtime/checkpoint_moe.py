@@ -132,8 +132,9 @@ class ExpertTranslation:
 
 
 class ChainedTranslation:
-    """Tensor parallelism composed with expert parallelism: `tp` (`checkpoint_tp.TPTranslation`: shards to full
-    tensors; the experts, replicated over the tensor group, written by its first rank) and then `ex`
+    """Tensor or pipeline parallelism composed with expert parallelism: `tp` (`checkpoint_tp.TPTranslation`:
+    shards to full tensors, the experts, replicated over the tensor group, written by its first rank; or
+    `checkpoint_pipe.PipeTranslation`: a stage's layers under their global names) and then `ex`
     (`ExpertTranslation`: global expert names, AutoEP's rows in full-tensor coordinates)."""
 
     def __init__(self, tp, ex: ExpertTranslation):
@@ -149,4 +150,4 @@ class ChainedTranslation:
         return self.ex.frags(self.tp.frags(frags, load=load), load=load)
 
     def owns(self, name: str) -> bool:
-        return self.ex.owns(name)
+        return getattr(self.tp, "owns", lambda n: True)(name) and self.ex.owns(name)

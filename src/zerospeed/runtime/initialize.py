@@ -36,7 +36,7 @@ from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
-from .moe_setup import (apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group, expert_group,
+from .moe_setup import (agree_across_stages, apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group, expert_group,
                         expert_param_ids, expert_parallel_size)
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           f"{cfg.pipeline.stages!r}, but the model is a {type(model).__name__}, not a "
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
-    ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None, pipeline)  # MoE layers' ep_size
+    ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None)  # MoE layers' ep_size
     if ep > 1 and tp_mesh is not None:
         raise NotImplementedError(f"MoE layers with ep_size={ep} in a model sharded by zerospeed.tp_model_init are "
                                   "not supported yet: use tensor_parallel.autotp_size in the config instead")
@@ -347,11 +347,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                               "use stage 3, or build the model without zero.Init()")
 
     init_distributed(dist_init_required=dist_init_required)
+    if pipeline:  # a stage holds only its own layers: the MoE layers' ep_size as the other stages found it
+        ep = agree_across_stages(ep)
     # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
     if tp_mesh is not None:
         mesh = tp_mesh
     elif pipeline:
-        mesh = ParallelMesh.build(pp=model.num_stages)
+        mesh = ParallelMesh.build(pp=model.num_stages, ep=ep)
     else:
         mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size,
                                                                                      ep=ep)
@@ -426,11 +428,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep
-    if ep > 1:  # each expert saved under its global id
-        from .checkpoint_moe import ExpertTranslation
-
-        engine.checkpoint_translation = engine.expert_translation = ExpertTranslation(model, mesh.rank("expert"),
-                                                                                      expert_comm_group(mesh))
     engine.offload = offload
     engine.param_group_names = group_names  # checkpoints record which parameters each group holds
     if mesh.size("tensor") > 1 and any(True for _ in tensor_parallel_layers(model)):
@@ -438,10 +435,13 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         from .checkpoint_tp import TPTranslation
 
         engine.checkpoint_translation = engine.tp_translation = TPTranslation(model, mesh)
-        if ep > 1:  # shards to full tensors, then experts to global names
-            from .checkpoint_moe import ChainedTranslation
+    if ep > 1:  # each expert saved under its global id (after the pipeline's or tensor-parallel translation)
+        from .checkpoint_moe import ChainedTranslation, ExpertTranslation
 
-            engine.checkpoint_translation = ChainedTranslation(engine.tp_translation, engine.expert_translation)
+        engine.expert_translation = ExpertTranslation(model, mesh.rank("expert"), expert_comm_group(mesh))
+        first = engine.checkpoint_translation
+        engine.checkpoint_translation = engine.expert_translation if first is None else \
+            ChainedTranslation(first, engine.expert_translation)
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched

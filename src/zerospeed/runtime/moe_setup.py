@@ -24,7 +24,7 @@ from torch import nn
 from ..config import ConfigError
 
 __all__ = ["moe_layers", "expert_parallel_size", "expert_param_ids", "attach_expert_groups", "expert_group",
-           "autoep_blocks", "apply_autoep", "expert_comm_group"]
+           "autoep_blocks", "apply_autoep", "expert_comm_group", "agree_across_stages"]
 
 
 def moe_layers(model: nn.Module) -> list:
@@ -98,10 +98,10 @@ def apply_autoep(blocks: list, ep_size: int, ep_rank: int) -> dict:
     return mapping
 
 
-def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
+def expert_parallel_size(cfg, model: nn.Module, mpu) -> int:
     """The ep_size shared by the model's MoE layers with ep_size > 1 and AutoEP's autoep_size, or 1. Pure (no
     process group): raises ConfigError when they differ, NotImplementedError for what expert parallelism does
-    not compose with (a pipeline, a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
+    not compose with (a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
     sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1} |
                    ({cfg.expert_parallel.size} if cfg.expert_parallel.size > 1 else set()))
     if not sizes:
@@ -111,11 +111,10 @@ def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
                           f"{sizes}: zerospeed builds one expert-parallel mesh dimension, so give every MoE layer "
                           "the same ep_size")
     ep = sizes[0]
-    blockers = [what for what, on in (("a PipelineModule", pipeline), ("initialize(mpu=...)", mpu is not None))
-                if on]
-    if blockers:
-        raise NotImplementedError(f"MoE layers with ep_size={ep} together with {blockers[0]} are not supported yet: "
-                                  "use ep_size=1 there (every expert on every rank)")
+    if mpu is not None:
+        raise NotImplementedError(f"MoE layers with ep_size={ep} together with initialize(mpu=...) are not supported "
+                                  "yet (the expert groups are carved from zerospeed's own mesh): use ep_size=1 there "
+                                  "(every expert on every rank), or tensor_parallel.autotp_size instead of the mpu")
     if cfg.zero_optimization.stage == 3:
         raise NotImplementedError(f"MoE layers with ep_size={ep} at zero_optimization.stage=3 are not supported "
                                   "(DeepSpeed 0.19.8 refuses MoE at stage 3 too): use stage 1 or 2, whose expert "
@@ -125,6 +124,19 @@ def expert_parallel_size(cfg, model: nn.Module, mpu, pipeline: bool) -> int:
         raise NotImplementedError(f"MoE layers with ep_size={ep} with zero_optimization.offload_optimizer.device="
                                   "nvme are not supported yet: use device \"cpu\" (or none), or ep_size=1")
     return ep
+
+
+def agree_across_stages(ep: int) -> int:
+    """The expert-parallel size of a pipeline: each stage built only its own layers, so a stage without MoE
+    layers sees 1; every rank takes the size the others found (an all-gather over the world). Raises
+    ConfigError when two stages found different sizes > 1."""
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, ep)
+    found = sorted({s for s in sizes if s > 1})
+    if len(found) > 1:
+        raise ConfigError(f"the pipeline stages' MoE layers use different ep_size values {found}: zerospeed builds one "
+                          "expert-parallel mesh dimension, so give every MoE layer the same ep_size")
+    return found[0] if found else 1
 
 
 def expert_param_ids(model: nn.Module) -> frozenset:
