@@ -135,9 +135,9 @@ class ExpertParallelExperts(nn.Module):
     def expert_parameters(self):
         return self.parameters()
 
-    def _expert(self, i: int, x: Tensor) -> Tensor:
-        gate, up = nn.functional.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)
-        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[i])
+    def _expert(self, gate_up: Tensor, down: Tensor, x: Tensor) -> Tensor:
+        gate, up = nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return nn.functional.linear(self.act_fn(gate) * up, down)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if self.ep_size > 1 and self.ep_group is None:
@@ -145,7 +145,10 @@ class ExpertParallelExperts(nn.Module):
                                "zerospeed.initialize with expert_parallel.enabled")
         index = top_k_index.t()
         index = torch.where(index < self.num_experts, index, -1)  # the "no expert" index E of transformers' EP
-        experts = [functools.partial(self._expert, i) for i in range(self.num_local_experts)]
+        # one unbind per weight, not an index per expert: each index's backward would zero-fill and add a whole
+        # [L, ...] gradient (L fills of the full tensor per step); unbind's backward stacks the L slices once
+        experts = [functools.partial(self._expert, gate_up, down)
+                   for gate_up, down in zip(self.gate_up_proj.unbind(0), self.down_proj.unbind(0))]
         return dropless_experts(hidden_states, index, top_k_weights.t(), experts, self.num_experts, self.ep_group,
                                 self.ep_size, self.logger)
 

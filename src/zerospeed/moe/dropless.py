@@ -77,15 +77,18 @@ def dropless_experts(tokens: Tensor, experts_idx: Tensor, weights: Tensor, exper
     else:
         per_source = counts.view(1, num_experts)
     rows = _rows_by_local_expert(per_source)
+    # one gather into expert-major order, each expert a contiguous slice of it (a gather per expert would cost a
+    # zero-filled [R, M] gradient per expert in backward; the split's backward is one concatenation)
+    perm = torch.cat(rows)
+    grouped = packed.index_select(0, perm).split([len(r) for r in rows])
     outputs = []
-    for i, (idx, expert) in enumerate(zip(rows, experts)):
-        inp = packed.index_select(0, idx)
+    for i, (inp, expert) in enumerate(zip(grouped, experts)):
         out = expert(inp)
         out = out[0] if isinstance(out, tuple) else out
         if check is not None:
             check(out, inp, f"expert {i} ({type(expert).__name__})")
         outputs.append(out)
-    back = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(rows)))  # the received layout again
+    back = torch.cat(outputs).index_select(0, torch.argsort(perm))  # the received layout again
     if ep_size > 1:
         back = _AllToAllV.apply(ep_group, logger, recv, send, back)
     weighted = back.float() * weights.reshape(-1)[order].unsqueeze(1)
