@@ -36,8 +36,8 @@ from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
 from .tp_setup import plan_tensor_parallel, remap_parameters, shard_model
-from .moe_setup import (agree_across_stages, apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group, expert_group,
-                        expert_param_ids, expert_parallel_size)
+from .moe_setup import (agree_across_stages, apply_autoep, attach_expert_groups, autoep_blocks, expert_comm_group,
+                        expert_group, expert_param_ids, expert_parallel_size)
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +394,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     cl = cfg.comms_logger
     logger = CommsLogger(enabled=cl.enabled, verbose=cl.verbose, prof_all=cl.prof_all,
                          prof_ops=tuple(cl.prof_ops)) if cl.enabled else None
-    attach_expert_groups(model, mesh, logger)  # MoE layers: the "expert" group for their all-to-alls
+    ep_comm = expert_comm_group(mesh) if ep > 1 else None  # the MoE all-to-alls' own process group
+    attach_expert_groups(model, ep_comm, logger)  # MoE layers: the "expert" group for their all-to-alls
     for _, layer in tensor_parallel_layers(model):  # their all-reduces are counted with the others
         layer.logger = logger
         if getattr(layer, "shared_input", None) is not None:
@@ -438,7 +439,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if ep > 1:  # each expert saved under its global id (after the pipeline's or tensor-parallel translation)
         from .checkpoint_moe import ChainedTranslation, ExpertTranslation
 
-        engine.expert_translation = ExpertTranslation(model, mesh.rank("expert"), expert_comm_group(mesh))
+        engine.expert_translation = ExpertTranslation(model, mesh.rank("expert"), ep_comm)
         first = engine.checkpoint_translation
         engine.checkpoint_translation = engine.expert_translation if first is None else \
             ChainedTranslation(first, engine.expert_translation)

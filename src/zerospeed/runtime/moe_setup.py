@@ -156,17 +156,25 @@ def _group(mesh, name: str):
 
 
 def expert_comm_group(mesh):
-    """The mesh's "expert" group as a real process group (`_group`)."""
-    return _group(mesh, "expert")
+    """The process group of the MoE all-to-alls: the ranks of the mesh's "expert" group, in a group of their own.
+    When ep equals the data-parallel size the mesh's "expert" group *is* the data group, and a process group runs
+    its collectives in order (gloo, NCCL): a backward all-to-all would queue behind the gradient buckets in
+    flight on it (measured on the small GPT-MoE at ep 2 = world 2, fp32: 0.25 s of all-to-all per step against
+    DeepSpeed's 0.17, which reduces after backward). Collective over the world (it creates the groups); call once."""
+    from ..parallel.topology import expert_rank_lists
+
+    if mesh.size("expert") != mesh.size("data") or mesh.topology is None:
+        return _group(mesh, "expert")
+    return dist.new_subgroups_by_enumeration(expert_rank_lists(mesh.topology, mesh.size("expert"))[0])[0]
 
 
-def attach_expert_groups(model: nn.Module, mesh, logger=None) -> None:
-    """Give every MoE layer with ep_size > 1 the mesh's "expert" group (its all-to-alls and dropless capacity)
-    and the comms logger (its all-to-alls are counted with the other collectives)."""
+def attach_expert_groups(model: nn.Module, group, logger=None) -> None:
+    """Give every MoE layer with ep_size > 1 the expert-parallel process `group` (`expert_comm_group`: its
+    all-to-alls and dropless capacity) and the comms logger (its all-to-alls are counted with the others)."""
     for layer in moe_layers(model):
         layer.logger = logger
         if layer.ep_size > 1:
-            layer._set_ep_group(_group(mesh, "expert"))
+            layer._set_ep_group(group)
 
 
 def expert_group(model: nn.Module, mesh):
