@@ -245,3 +245,21 @@ def chart(rows: list[dict], path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_results(base: Path, md: str, saved: dict, rows: list[dict]) -> str:
+    """Write a benchmark's table (`base`.md) and its runs and rows (`base`.json, for `--report`); returns md."""
+    import json
+    import sys
+
+    base.with_suffix(".md").write_text(md)
+    base.with_suffix(".json").write_text(json.dumps({**saved, "rows": rows}, indent=1, default=str))
+    print(f"written: {base}.md, {base}.json", file=sys.stderr)
+    return md
+
+
+def raise_interrupt(signum, frame):
+    """A SIGTERM handler that stops a benchmark like Ctrl-C (the launch is killed, what finished is reported)."""
+    import signal
+
+    raise KeyboardInterrupt(signal.Signals(signum).name)
