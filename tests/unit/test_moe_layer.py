@@ -125,6 +125,9 @@ def test_bad_construction(build, error, match):
 
 def test_bad_forward():
     moe = MoE(M, nn.Linear(M, 2 * M), num_experts=2)
+    with pytest.raises(ValueError, match=r"expert 0 \(Linear\) returned shape \(8, 16\) for an input of shape \(8, 8\)"):
+        moe(torch.randn(16, M))
+    moe.deepspeed_moe.packed = False  # the padded layout checks its [ep, L, C, M] buffer
     with pytest.raises(ValueError, match=r"returned shape \(1, 1, 8, 16\) for an input of shape \(1, 1, 8, 8\)"):
         moe(torch.randn(16, M))
     moe = MoE(M, _mlp(), num_experts=2)
@@ -240,17 +243,14 @@ def test_layer_equals_deepspeed(ds_moe, k, residual):
         theirs.train(training)
         ours.train(training)
         want, got = _run(theirs, x, used, seed), _run(ours, x, used, seed)
+        for i, (a, b) in enumerate(zip(want, got)):  # packed: the experts run on unpadded rows, same values
+            assert a.dtype == b.dtype, f"{kwargs} training={training}: output {i}"
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{kwargs} training={training}: {i}")
+        ours.deepspeed_moe.packed = False  # DeepSpeed's padded layout, kept as an option: bit for bit
+        ours.zero_grad(set_to_none=True)
+        got = _run(ours, x, used, seed)
         for i, (a, b) in enumerate(zip(want, got)):
-            if kwargs.get("drop_tokens") is False:  # dropless: the experts run on unpadded rows, same values
-                assert a.dtype == b.dtype, f"{kwargs} training={training}: output {i}"
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{kwargs} training={training}: {i}")
-            else:
-                assert a.dtype == b.dtype and torch.equal(a, b), f"{kwargs} training={training}: output {i}"
-        if kwargs.get("drop_tokens") is False:  # DeepSpeed's padded layout, kept as an option: bit for bit
-            ours.deepspeed_moe.dropless = False
-            ours.zero_grad(set_to_none=True)
-            got = _run(ours, x, used, seed)
-            assert all(torch.equal(a, b) for a, b in zip(want, got)), f"{kwargs} training={training}: padded"
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{kwargs} training={training}: padded {i}"
 
 
 def test_layer_equals_deepspeed_in_bf16(ds_moe):

@@ -8,9 +8,12 @@ counts; see `routing.py` for the rules and the papers). `MOELayer` runs GShard's
     dispatch_tokens -> exchange_with_experts -> experts -> exchange_with_experts -> combine_tokens
 
 The two exchanges are the expert-parallel all-to-alls (`all_to_all_single` over the expert process group,
-whose backward is the same all-to-all); with one expert-parallel rank they are the identity. With
-drop_tokens=False the layer skips the padded [E, C, M] buffers and runs `dropless.dropless_experts` (the
-routes packed per expert, a variable-size all-to-all; `MOELayer.dropless = False` keeps DeepSpeed's padding).
+whose backward is the same all-to-all); with one expert-parallel rank they are the identity. By default
+(`MOELayer.packed`) the layer skips the padded [E, C, M] buffers and runs `dropless.dropless_experts` on the
+kept routes, packed per expert, with a variable-size all-to-all: the same routing and dropped tokens
+(DeepSpeed's, capacity C), but no padding row computed or exchanged (with capacity factor 1.25 up to a
+quarter of the expert rows, and with drop_tokens=False every expert's padding to the largest load);
+`MOELayer.packed = False` runs DeepSpeed's padded layout, bit for bit.
 
 Shapes: S tokens, M model (hidden) size, E experts, k routes per token, C capacity.
 """
@@ -262,11 +265,20 @@ class MOELayer(nn.Module):
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0  # ms, with wall_clock_breakdown
         self.logger = None  # a CommsLogger counting the all-to-alls (set by zerospeed.initialize)
-        # drop_tokens=False: experts run on exactly their tokens (`dropless.py`); False keeps DeepSpeed's layout,
-        # every expert padded to the largest load
-        self.dropless = not gate.drop_tokens
+        # the experts run on exactly the kept routes (`dropless.py`), for drop_tokens True and False; False:
+        # DeepSpeed's padded [E, C, M] layout (C slots per expert, the largest load for drop_tokens=False)
+        self.packed = True
         self.l_aux: Tensor | None = None
         self.exp_counts: Tensor | None = None
+
+    @property
+    def dropless(self) -> bool:
+        """The name of `packed` before it covered capacity routing too (kept for scripts that set it)."""
+        return self.packed
+
+    @dropless.setter
+    def dropless(self, value: bool) -> None:
+        self.packed = bool(value)
 
     def _set_ep_group(self, ep_group: dist.ProcessGroup | None) -> None:
         """Use `ep_group` (ep_size ranks, each holding num_local_experts experts) for the all-to-alls. Raises
@@ -283,10 +295,10 @@ class MOELayer(nn.Module):
         started = time.perf_counter() if self.wall_clock_breakdown else 0.0
         model_dim = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model_dim)
-        self.gate.sync_capacity = not self.dropless
+        self.gate.sync_capacity = not self.packed
         (self.l_aux, capacity, num_experts, indices, locations, weights,
          self.exp_counts) = self.gate(tokens, used_token, True, self.use_tutel)
-        if self.dropless:
+        if self.packed:
             out = dropless_experts(tokens, indices, weights, self.experts.deepspeed_experts, num_experts,
                                    self.ep_group, self.ep_size, self.logger, check_expert_output)
             if self.wall_clock_breakdown:
