@@ -12,7 +12,7 @@ import torch
 
 from . import fragments
 from .stage3_params import ParamStatus, ShardedParam, ShardedUnit
-from .strategy import FullValues
+from .full_values import FullValues
 
 
 def checkpoint_params(s) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:

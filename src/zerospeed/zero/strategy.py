@@ -39,6 +39,7 @@ from . import fragments
 from . import stage3_context as ctx
 from .clipping import ModelParallelGrads, clip_and_norm
 from .data_parallel import GradientAllReducer, GroupedReducer, ReducePhase
+from .full_values import FullValues
 from .param_groups import by_group, group_index, retarget
 from .partition import plan_one_chunk
 
@@ -208,40 +209,6 @@ class ZeroStrategy(abc.ABC):
                 "checkpoints with zero_optimization.offload_optimizer.device=nvme are not supported yet: the "
                 "master weights and optimizer states live in swap files. Save with device \"cpu\" (or none), or "
                 "export the weights with engine.module.state_dict() / save_16bit_model")
-
-
-class FullValues:
-    """Full values of `tensors` for writing them out one at a time (`ZeroStrategy.full_values`).
-
-    order: indices into `tensors` in the order to read them (the same on every rank). shape(i): the
-    full shape of tensors[i] (known before any gathering). value(i): its full value, detached, valid
-    until the next value() call; call in `order`. finish(): take part in every collective still due
-    (ranks that do not write call it instead of value(); a writer calls it after a failure, so the
-    other ranks do not hang). close() (or leaving the `with`): release what is held. This base class
-    is for strategies holding every value whole: value(i) is tensors[i] itself, nothing is collective.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = list(tensors)
-        self.order = list(range(len(self.tensors)))
-
-    def shape(self, i: int) -> tuple[int, ...]:
-        return tuple(self.tensors[i].shape)
-
-    def value(self, i: int) -> torch.Tensor:
-        return self.tensors[i].detach()
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> FullValues:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
