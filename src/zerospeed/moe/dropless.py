@@ -19,23 +19,24 @@ from torch import Tensor, nn
 
 from ..comm.ops import all_to_all_single
 
-__all__ = ["dropless_experts"]
+__all__ = ["AllToAll", "dropless_experts"]
 
 
-class _AllToAllV(torch.autograd.Function):
-    """Variable-size all-to-all along dim 0 (rows `send` to each rank, `recv` from each); its gradient is
-    the all-to-all with the two split lists swapped."""
+class AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 over `group`: rows `send[j]` to rank j and `recv[i]` from rank i, or equal chunks
+    when both are None; its gradient is the all-to-all with the two split lists swapped (equal chunks: the same
+    exchange, a permutation of chunks that is its own inverse)."""
 
     @staticmethod
-    def forward(ctx, group, logger, send: list[int], recv: list[int], x: Tensor) -> Tensor:
+    def forward(ctx, group, logger, send: list[int] | None, recv: list[int] | None, x: Tensor) -> Tensor:
         ctx.group, ctx.logger, ctx.send, ctx.recv = group, logger, send, recv
-        out = x.new_empty((sum(recv), *x.shape[1:]))
+        out = torch.empty_like(x) if recv is None else x.new_empty((sum(recv), *x.shape[1:]))
         return all_to_all_single(out, x.contiguous(), group=group, logger=logger, output_split_sizes=recv,
                                  input_split_sizes=send)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        out = torch.empty_like(grad) if ctx.send is None else grad.new_empty((sum(ctx.send), *grad.shape[1:]))
         all_to_all_single(out, grad.contiguous(), group=ctx.group, logger=ctx.logger, output_split_sizes=ctx.send,
                           input_split_sizes=ctx.recv)
         return None, None, None, None, out
@@ -72,7 +73,7 @@ def dropless_experts(tokens: Tensor, experts_idx: Tensor, weights: Tensor, exper
         all_to_all_single(received_counts, counts, group=ep_group)  # from source i: its rows per local expert
         send = counts.view(ep_size, num_local).sum(1).tolist()
         recv = received_counts.view(ep_size, num_local).sum(1).tolist()
-        packed = _AllToAllV.apply(ep_group, logger, send, recv, packed)
+        packed = AllToAll.apply(ep_group, logger, send, recv, packed)
         per_source = received_counts.view(ep_size, num_local)
     else:
         per_source = counts.view(1, num_experts)
@@ -90,6 +91,6 @@ def dropless_experts(tokens: Tensor, experts_idx: Tensor, weights: Tensor, exper
         outputs.append(out)
     back = torch.cat(outputs).index_select(0, torch.argsort(perm))  # the received layout again
     if ep_size > 1:
-        back = _AllToAllV.apply(ep_group, logger, recv, send, back)
+        back = AllToAll.apply(ep_group, logger, recv, send, back)
     weighted = back.float() * weights.reshape(-1)[order].unsqueeze(1)
     return weighted.new_zeros(num_tokens, model_dim).index_add(0, token_of, weighted).to(tokens.dtype)

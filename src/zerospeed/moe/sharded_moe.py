@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..comm.ops import all_to_all_single
-from .dropless import dropless_experts
+from .dropless import AllToAll, dropless_experts
 from .experts import check_expert_output
 from .routing import (Routes, expert_capacity, gumbel_rsample, multiplicative_jitter, route_top1, route_top2,
                       route_topk)
@@ -132,6 +131,7 @@ class TopKGate(nn.Module):
                           f"no effect: use {other}", stacklevel=3)
         self.wg = nn.Linear(model_dim, num_experts, bias=False, dtype=torch.float32)
         self.ep_group = ep_group
+        self.sync_capacity = True  # the drop_tokens=False capacity is the group maximum (MOELayer: packed clears it)
         self.k = k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor
@@ -157,7 +157,7 @@ class TopKGate(nn.Module):
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         # drop_tokens=False sizes the padded buffers by the largest load over the group (an all-reduce MAX);
         # MOELayer's dropless path needs no common capacity and clears sync_capacity (local largest load)
-        group = self.ep_group if getattr(self, "sync_capacity", True) else None
+        group = self.ep_group if self.sync_capacity else None
         if self.k == 1:
             noisy = self.noisy_gate_policy if self.training else None
             return route_top1(logits, factor, self.min_capacity, used_token, noisy, self.drop_tokens, self.use_rts,
@@ -200,22 +200,6 @@ def dispatch_tokens(tokens: Tensor, slots: Tensor, num_experts: int, capacity: i
     return padded.index_select(0, source[:rows]).view(num_experts, capacity, model_dim)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0 over `group`; its gradient is the same all-to-all of the output's
-    gradient (the exchange is a permutation of chunks between ranks, its own inverse)."""
-
-    @staticmethod
-    def forward(ctx, group, logger, x: Tensor) -> Tensor:
-        ctx.group, ctx.logger = group, logger
-        x = x.contiguous()
-        return all_to_all_single(torch.empty_like(x), x, group=group, logger=logger)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        return None, None, all_to_all_single(torch.empty_like(grad), grad, group=ctx.group, logger=ctx.logger)
-
-
 def exchange_with_experts(buffer: Tensor, ep_group: dist.ProcessGroup | None, ep_size: int, logger=None) -> Tensor:
     """The expert-parallel all-to-all of an expert buffer (GShard Algorithm 2). Dispatch: [E, C, M] in global
     expert order, rank j receiving the slots of its E/ep_size experts from every rank, which arrive as
@@ -224,7 +208,7 @@ def exchange_with_experts(buffer: Tensor, ep_group: dist.ProcessGroup | None, ep
     (its backward is the same all-to-all). logger: a `CommsLogger` counting the "all_to_all" elements."""
     if ep_size == 1:
         return buffer.contiguous()
-    return _AllToAll.apply(ep_group, logger, buffer)
+    return AllToAll.apply(ep_group, logger, None, None, buffer)
 
 
 def combine_tokens(expert_output: Tensor, slots: Tensor, weights: Tensor, num_tokens: int) -> Tensor:

@@ -47,10 +47,10 @@ def build_strategy(stage: int, *, module: nn.Module, optimizer: torch.optim.Opti
                                                       names=[names[id(p)] for p in params], experts=experts,
                                                       **common)
     elif experts is not None and stage in (1, 2):
-        from .stage12_grouped import GroupedStage12Strategy, ParamSet
+        from .stage12_grouped import GroupedStage12Strategy
 
         strategy = GroupedStage12Strategy(
-            module, params, optimizer, stage=stage, sets=[ParamSet(experts.params, experts.group, experts.average_over)],
+            module, params, optimizer, stage=stage, sets=[experts],
             reduce_bucket_size=bucket, allgather_bucket_size=int(zero_cfg.allgather_bucket_size),
             reduce_scatter=zero_cfg.reduce_scatter, allgather_partitions=zero_cfg.allgather_partitions,
             offload=offload, **common)

@@ -28,8 +28,6 @@ protocol concatenates the sets' slots in the module's parameter order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,19 +39,9 @@ from . import fragments
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, retarget
 from .stage12 import Stage12Strategy
-from .strategy import ZeroStrategy
+from .strategy import ExpertGroup, ZeroStrategy
 
-__all__ = ["ParamSet", "GroupedStage12Strategy"]
-
-
-@dataclass(frozen=True)
-class ParamSet:
-    """Parameters partitioned over their own group: `params` (id()s) over `group`, gradients averaged over
-    `average_over` ranks (None: the group's size)."""
-
-    params: frozenset
-    group: dist.ProcessGroup | None
-    average_over: int | None = None
+__all__ = ["GroupedStage12Strategy"]
 
 
 class GroupedStage12Strategy(ZeroStrategy):
@@ -62,13 +50,13 @@ class GroupedStage12Strategy(ZeroStrategy):
 
     module, params, optimizer, stage, group, bucket sizes, average, predivide_factor, logger, policy,
     master_values, offload, collectives: as `Stage12Strategy` (each set gets its own flat buffer and chunks
-    of at most the bucket size). sets: the `ParamSet`s (e.g. the experts over "expert_data", averaged over
-    the data-parallel size). Raises ValueError (a parameter in two sets, the optimizer's groups as
+    of at most the bucket size). sets: `strategy.ExpertGroup`s (parameter ids, their group, the ranks their
+    mean is over: the experts over "expert_data", averaged over the data-parallel size). Raises ValueError (a parameter in two sets, the optimizer's groups as
     `Stage12Strategy`), NotImplementedError (NVMe optimizer offload: its swap files hold one partition).
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], optimizer, *, stage: int,
-                 group: dist.ProcessGroup | None, sets: list[ParamSet], reduce_bucket_size: int,
+                 group: dist.ProcessGroup | None, sets: list[ExpertGroup], reduce_bucket_size: int,
                  allgather_bucket_size: int = 0, reduce_scatter: bool = True, allgather_partitions: bool = True,
                  average: bool = True, predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
