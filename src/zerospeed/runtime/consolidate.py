@@ -175,24 +175,42 @@ def save_16bit_model(engine, save_dir, save_filename: str = SINGLE, exclude_froz
     return True
 
 
-class _ExpertValues:
-    """`FullValues` under expert parallelism: AutoEP's fused expert tensors all-gathered whole over the expert
-    group (`ExpertTranslation.gather_full`), an `MoE` layer's local expert tensor all-gathered once and entry j
-    reading rank picks[j]'s copy (`gather_spread`); the rest as they are. Every rank reads the same entries in
-    the same order (finish() reads the ones not read yet), so the gathers match."""
+class _GatheredValues:
+    """`FullValues` of a model-parallel run: value(i) assembles tensor i from the ranks holding its parts
+    (`_gather`, a collective); shape(i) is its full shape. Every rank must read the same tensors in the same
+    order: finish() reads the ones not read yet, then finishes the wrapped values."""
 
-    def __init__(self, full, tensors, picks, ex):
-        self.full, self.tensors, self.picks, self.ex = full, tensors, picks, ex
+    def __init__(self, full, tensors):
+        self.full, self.tensors = full, tensors
         self.order = full.order
         self._done: set[int] = set()
+
+    def value(self, i: int) -> torch.Tensor:
+        self._done.add(i)
+        return self._gather(i)
+
+    def finish(self) -> None:
+        for i in self.order:
+            if i not in self._done:
+                self.value(i)
+        self.full.finish()
+
+
+class _ExpertValues(_GatheredValues):
+    """Under expert parallelism: AutoEP's fused expert tensors all-gathered whole over the expert group
+    (`ExpertTranslation.gather_full`), an `MoE` layer's local expert tensor all-gathered once and entry j
+    reading rank picks[j]'s copy (`gather_spread`); the rest as they are."""
+
+    def __init__(self, full, tensors, picks, ex):
+        super().__init__(full, tensors)
+        self.picks, self.ex = picks, ex
         self._last: tuple = (None, None)  # (id(tensor), its gathered copies): consecutive entries share it
 
     def shape(self, i: int):
         hit = self.ex._by_id.get(id(self.tensors[i]))
         return hit[1] if hit else tuple(self.full.shape(i))
 
-    def value(self, i: int) -> torch.Tensor:
-        self._done.add(i)
+    def _gather(self, i: int) -> torch.Tensor:
         t, r = self.tensors[i], self.picks[i]
         if r is None:
             return self.ex.gather_full(t, self.full.value(i))
@@ -200,35 +218,18 @@ class _ExpertValues:
             self._last = (id(t), self.ex.gather_spread(self.full.value(i)))
         return self._last[1][r]
 
-    def finish(self) -> None:
-        for i in self.order:
-            if i not in self._done:
-                self.value(i)
-        self.full.finish()
 
-
-class _TensorParallelValues:
-    """`FullValues` of tensor-parallel shards: value(i) all-gathers tensor i's shards over the tensor group
-    and assembles the full tensor (`TPTranslation.gather_full`; AutoEP's fused experts over the expert group,
-    `ExpertTranslation.gather_full`); shape(i) is the full shape. Every rank
-    must read the same tensors in the same order: finish() reads the ones not read yet."""
+class _TensorParallelValues(_GatheredValues):
+    """Tensor-parallel shards all-gathered over the tensor group and assembled (`TPTranslation.gather_full`)."""
 
     def __init__(self, full, tensors, tp):
-        self.full, self.tensors, self.tp = full, tensors, tp
-        self.order = full.order
-        self._done: set[int] = set()
+        super().__init__(full, tensors)
+        self.tp = tp
 
     def shape(self, i: int):
         shape = tuple(self.full.shape(i))
         hit = self.tp._by_id.get(id(self.tensors[i]))
         return hit[1] if hit else shape
 
-    def value(self, i: int) -> torch.Tensor:
-        self._done.add(i)
+    def _gather(self, i: int) -> torch.Tensor:
         return self.tp.gather_full(self.tensors[i], self.full.value(i))
-
-    def finish(self) -> None:
-        for i in self.order:
-            if i not in self._done:
-                self.value(i)
-        self.full.finish()

@@ -349,7 +349,8 @@ class DataParallelStrategy(ZeroStrategy):
             # of every gradient it owns (`_writer_ranges`: the experts cut over their expert-data group, the rest
             # over the data-parallel group), summed over the data-parallel group: every element once; the whole
             # gradients are clipped
-            owned = [t for i in range(len(self.params)) for _, _, t in self.reduced_grad_pieces(i) or []]
+            owned = [m.grad.reshape(-1)[lo:hi] for m, (lo, hi) in zip(self.master_params, self._writer_ranges())
+                     if m.grad is not None and hi > lo]  # (the masters' .grad were linked above, once)
             return self._norm(owned, max_norm, (self.group,), clip=flat)
         mp = self.model_parallel
         if mp is None or mp.size == 1:
