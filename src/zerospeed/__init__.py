@@ -15,6 +15,10 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
         from .runtime.tp_init import tp_model_init
 
         return tp_model_init
+    if name in ("init_inference", "InferenceEngine"):  # `zerospeed.init_inference(model, ...)` as DeepSpeed's
+        from . import inference
+
+        return getattr(inference, name)
     if name == "init_distributed":
         from .comm import init_distributed
 
@@ -31,7 +35,8 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
 
 
 _SUBPACKAGES = ("accelerator", "zero", "checkpointing", "comm", "config", "offload", "profiling", "monitor", "runtime",
-                "testing")
+                "testing", "inference")
 
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "tp_model_init", "ZeroSpeedEngine", "__version__"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "tp_model_init", "init_inference",
+           "InferenceEngine", "ZeroSpeedEngine", "__version__"]

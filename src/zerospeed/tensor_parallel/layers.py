@@ -113,6 +113,8 @@ class _ParallelLinear(nn.Module):
         self.shard_specs = {k: v for k, v in specs.items() if k != "bias" or bias is not None}
         # the full (unsharded) shape of each parameter: what checkpoints and save_16bit_model write
         self.full_shapes = dict(full_shapes or {})
+        # a replacement for `x @ W^T` (inference's int8 weights: `weight` is then removed), or None
+        self.matmul_impl: nn.Module | None = None
 
     sharded_input = False  # row-parallel: the weight is split by input features and the bias stays whole
 
@@ -135,11 +137,14 @@ class _ParallelLinear(nn.Module):
                    in_features=n_in, out_features=n_out, name=name, full_shapes=_shapes(w, b))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul_impl is not None:
+            return self.matmul_impl(x)
         return x @ self.weight if self.transposed else x @ self.weight.t()
 
     def extra_repr(self) -> str:
+        local = tuple(self.weight.shape) if "weight" in self._parameters else "replaced by matmul_impl"
         return (f"in_features={self.in_features}, out_features={self.out_features} (full), "
-                f"local weight {tuple(self.weight.shape)}, tp={next(iter(self.shard_specs.values())).tp}")
+                f"local weight {local}, tp={next(iter(self.shard_specs.values())).tp}")
 
 
 def _shapes(w: torch.Tensor, b: torch.Tensor | None) -> dict[str, tuple]:

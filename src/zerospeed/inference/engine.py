@@ -1,0 +1,171 @@
+"""`zerospeed.init_inference(model, config=None, **kwargs) -> InferenceEngine`, DeepSpeed's serving entry point.
+
+    engine = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.bfloat16)
+    out = engine.module.generate(input_ids, max_new_tokens=32)     # HF's own generate on the sharded model
+    logits = engine(input_ids).logits
+
+What happens, in order (each step only when its option asks for it), all checked before any weight changes:
+1. the config is read with DeepSpeed's keys (`zerospeed.config.inference`), config and kwargs merged;
+2. the weights are cast to `dtype` (fp16 / bf16 / fp32; for int8 the float weights stay as they are);
+3. with tp_size > 1: the ranks' weights are checked equal, the linear layers are sharded by the AutoTP
+   plan (`inference/tp.py`), the RNG state is broadcast so sampling agrees across ranks (as DeepSpeed);
+4. int8: every remaining linear layer's weight is quantized to int8 per output channel (`inference/quant.py`);
+5. the module moves to this rank's device unless `keep_module_on_host`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accelerator import get_accelerator
+from ..config.inference import InferenceConfig, load_inference_config
+from .tp import TPGroup, check_same_weights, inference_plan, shard_for_inference, tp_group
+
+__all__ = ["InferenceEngine", "init_inference"]
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> "InferenceEngine":
+    """Wrap `model` (an unmodified `nn.Module`, typically a HF causal LM) for serving.
+
+    config: None, a dict or a path to a JSON file with DeepSpeed's inference keys; kwargs: the same keys
+    (`tensor_parallel={"tp_size": 2}`, `dtype=torch.bfloat16`, `replace_with_kernel_inject=True`, ...).
+    A key in both with different values is an error (as DeepSpeed). Collective when tp_size > 1: every
+    rank calls it with the same arguments and the same full weights.
+    Returns an `InferenceEngine`. Raises ConfigError for bad keys or values; ValueError for a dtype the
+    device cannot compute, a tp size the world, heads or widths do not divide, ranks holding different
+    weights, or a model without a sharding plan (naming its layer types and how to give injection_policy).
+    """
+    return InferenceEngine(model, load_inference_config(config, kwargs))
+
+
+class InferenceEngine(nn.Module):
+    """The served model. `engine(*inputs, **kwargs)` is `engine.module(...)`; `engine.module` is the user's
+    model, sharded / cast / quantized in place (its `generate` is HF's own). Attributes: `tp` (TPGroup:
+    group, size, rank), `sharded` (names of the tensor-parallel layers), `quantized` (names of the int8
+    layers)."""
+
+    def __init__(self, model: nn.Module, config: InferenceConfig):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"init_inference(model=...) expects an nn.Module, got {type(model).__name__}")
+        self._config = config
+        _refuse_unbuilt(config)
+        accel = get_accelerator()
+        if not config.int8 and config.dtype not in accel.supported_dtypes():
+            raise ValueError(f"dtype {config.dtype} is not supported by the {accel.name} accelerator "
+                             f"(supported: {accel.supported_dtypes()}); DeepSpeed's default dtype is float16, so "
+                             "pass dtype=torch.float32 or torch.bfloat16")
+        if config.enable_cuda_graph and accel.name != "cuda":
+            raise ValueError(f"enable_cuda_graph=true needs CUDA; this process runs on {accel.name}. Remove it")
+        plan = None
+        tp = self._config.tensor_parallel
+        want_tp = config.tp_size > 1 or tp.tp_group is not None or tp.mpu is not None
+        if want_tp:
+            plan = inference_plan(model, config.injection_policy)  # a missing plan fails before any collective
+        if config.injection_policy and config.replace_with_kernel_inject:
+            raise ValueError("injection_policy and replace_with_kernel_inject=true are exclusive (as in DeepSpeed): "
+                             "drop one")
+        self.module = model
+        if not config.int8:
+            model.to(config.dtype)
+        self.tp: TPGroup = tp_group(config.tp_size, group=tp.tp_group, mpu=tp.mpu) if want_tp else TPGroup(None, 1, 0)
+        self.sharded: list[str] = []
+        if self.tp.size > 1:
+            check_same_weights(model, self.tp.group)
+            self.sharded = shard_for_inference(model, plan, self.tp)
+            _broadcast_rng(self.tp.group)
+        self.quantized: list[str] = []
+        if config.int8:
+            from .quant import quantize_int8
+            self.quantized = quantize_int8(model)
+        if not config.keep_module_on_host:
+            model.to(accel.current_device_name())
+        self._is_compiled = False
+        self._model_times: list[float] = []
+
+    # -- DeepSpeed's InferenceEngine surface ------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """`self.module(*inputs, **kwargs)`."""
+        return self.module(*inputs, **kwargs)
+
+    def generate(self, *inputs, **kwargs):
+        """`self.module.generate(...)` (HF's), after DeepSpeed's check: a prompt longer than max_out_tokens
+        is an error (RuntimeError naming both lengths)."""
+        ids = kwargs.get("input_ids", inputs[0] if inputs and torch.is_tensor(inputs[0]) else None)
+        if ids is not None and ids.shape[-1] > self._config.max_out_tokens:
+            raise RuntimeError(f"input with {ids.shape[-1]} tokens exceeds max_out_tokens="
+                               f"{self._config.max_out_tokens}; raise max_out_tokens (alias max_tokens) in the "
+                               "inference config")
+        return self.module.generate(*inputs, **kwargs)
+
+    @property
+    def config(self) -> InferenceConfig:
+        return self._config
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None) -> None:
+        """`torch.compile` the module in place (DeepSpeed's `engine.compile`); once."""
+        if self._is_compiled:
+            return
+        self.module.compile(backend=backend or get_accelerator().get_compile_backend(), **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
+
+    def destroy(self) -> None:
+        """Release references (DeepSpeed frees its kernel workspace here)."""
+        self._model_times.clear()
+
+    def model_times(self) -> list[float]:
+        """Forward times recorded by `profile_model_time` (milliseconds), then cleared."""
+        times, self._model_times = self._model_times, []
+        return times
+
+    def profile_model_time(self, use_cuda_events: bool = True) -> None:
+        """Record each forward's wall time (ms; the accelerator synchronised around it) for `model_times`."""
+        import time
+
+        accel = get_accelerator()
+
+        def pre(module, args):
+            accel.synchronize()
+            module._zs_t0 = time.perf_counter()
+
+        def post(module, args, out):
+            accel.synchronize()
+            self._model_times.append((time.perf_counter() - module._zs_t0) * 1e3)
+
+        if not getattr(self, "_profiling", False):
+            self.module.register_forward_pre_hook(pre)
+            self.module.register_forward_hook(post)
+            self._profiling = True
+
+
+def _broadcast_rng(group) -> None:
+    """The RNG state of the group's first rank on every rank of it (sampling must draw the same tokens)."""
+    import torch.distributed as dist
+
+    accel = get_accelerator()
+    state = accel.get_rng_state()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(state, src, group=group)
+    accel.set_rng_state(state)
+
+
+def _refuse_unbuilt(config: InferenceConfig) -> None:
+    """Options whose implementation is not in yet: a clear error, never a silent ignore."""
+    todo = []
+    if config.replace_with_kernel_inject:
+        todo.append("replace_with_kernel_inject=true (the fused static-KV-cache path)")
+    if config.checkpoint is not None:
+        todo.append("checkpoint= (load the weights with from_pretrained / load_state_dict before init_inference)")
+    if config.zero.stage == 3:
+        todo.append("zero stage 3 (ZeRO-Inference: use zerospeed.initialize(model=..., config={'zero_optimization': "
+                    "{'stage': 3, 'offload_param': ...}}) and engine.module.generate)")
+    if config.save_mp_checkpoint_path or config.set_empty_params:
+        todo.append("save_mp_checkpoint_path / set_empty_params")
+    if todo:
+        raise ValueError("init_inference: not implemented yet: " + "; ".join(todo))
