@@ -120,6 +120,32 @@ def test_quantize_rows_error_bound():
     assert ((w - q.float() * s[:, None]).abs() <= s[:, None] / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize("arch", sorted(BUILD))
+def test_kernel_injection_generates_the_plain_models_tokens(arch):
+    """Static KV cache + compiled decode step: left-padded prompts of different lengths give the plain
+    model's greedy tokens exactly (fp32), on two calls with different prompts of the same shape (the second
+    reuses the first call's cache, reset, and its compiled step) and on a longer third call (a larger cache)."""
+    ref = BUILD[arch]().eval()
+    engine = zerospeed.init_inference(BUILD[arch]().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
+    assert engine.module.generation_config.cache_implementation == "static"
+    for seed, new in ((3, 12), (4, 12), (5, 20)):
+        ids = _ids(batch=3, length=10, seed=seed)
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+        mask[2, :2] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        kw = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want = ref.generate(ids, **kw)
+            got = engine.module.generate(ids, **kw)
+        assert torch.equal(got, want), (seed, got, want)
+
+
+def test_kernel_injection_needs_a_generation_model():
+    with pytest.raises(ValueError, match="Hugging Face generation models"):
+        zerospeed.init_inference(torch.nn.Linear(4, 4), dtype=torch.float32, replace_with_kernel_inject=True)
+
+
 def test_generate_rejects_long_prompt():
     engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=torch.float32, max_out_tokens=8)
     with pytest.raises(RuntimeError, match="exceeds max_out_tokens=8"):

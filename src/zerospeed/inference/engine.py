@@ -10,7 +10,8 @@ What happens, in order (each step only when its option asks for it), all checked
 3. with tp_size > 1: the ranks' weights are checked equal, the linear layers are sharded by the AutoTP
    plan (`inference/tp.py`), the RNG state is broadcast so sampling agrees across ranks (as DeepSpeed);
 4. int8: every remaining linear layer's weight is quantized to int8 per output channel (`inference/quant.py`);
-5. the module moves to this rank's device unless `keep_module_on_host`.
+5. the module moves to this rank's device unless `keep_module_on_host`;
+6. `replace_with_kernel_inject`: static KV cache, SDPA and a compiled decode step (`inference/inject.py`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ class InferenceEngine(nn.Module):
             self.quantized = quantize_int8(model)
         if not config.keep_module_on_host:
             model.to(accel.current_device_name())
+        self.decode_step = None  # the compiled decode step of kernel injection
+        if config.replace_with_kernel_inject:
+            from .inject import inject_kernels
+            device = next((p.device for p in model.parameters()), torch.device(accel.current_device_name()))
+            self.decode_step = inject_kernels(model, device)
         self._is_compiled = False
         self._model_times: list[float] = []
 
@@ -158,8 +164,6 @@ def _broadcast_rng(group) -> None:
 def _refuse_unbuilt(config: InferenceConfig) -> None:
     """Options whose implementation is not in yet: a clear error, never a silent ignore."""
     todo = []
-    if config.replace_with_kernel_inject:
-        todo.append("replace_with_kernel_inject=true (the fused static-KV-cache path)")
     if config.checkpoint is not None:
         todo.append("checkpoint= (load the weights with from_pretrained / load_state_dict before init_inference)")
     if config.zero.stage == 3:

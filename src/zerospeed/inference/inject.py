@@ -1,0 +1,102 @@
+"""Kernel injection on any device (`replace_with_kernel_inject=True`): a static KV cache and a compiled decode step.
+
+DeepSpeed swaps HF layers for its own CUDA kernels. Here the same goal - decoding at the memory-bandwidth
+bound, each token reading every weight once - is reached with HF's and PyTorch's own machinery, on any
+device:
+
+* the KV cache is HF's `StaticCache` (`generation_config.cache_implementation = "static"`): preallocated
+  [batch, kv heads (this rank's, under tensor parallelism), max length, head dim] per layer, updated in
+  place, sized by `generate` to prompt + new tokens (and kept at the largest size seen, so later calls do
+  not recompile);
+* attention is `scaled_dot_product_attention` (HF's "sdpa" implementation);
+* the one-token decode step runs through `torch.compile` (inductor, max-autotune, with `freezing`: the
+  weights become constants and every linear layer a prepacked GEMM template). Measured on this machine's 2
+  cores for a 124M-parameter GPT-2 at batch 1: 19 ms per decode step against 42 ms eager, i.e. the weights
+  are read at ~26 GB/s where the eager fp32 GEMV reaches ~12-17 GB/s (bench/bench_inference.py). Freezing
+  keeps a packed copy of the weights next to the originals (used by the eager prefill): ~2x weight memory.
+
+Freezing also fixes the tensors HF marks as static addresses - the cache's keys, values and
+`cumulative_length` - into the compiled step, so `generate` must reuse one cache per (batch, length)
+instead of building a new one per call (HF 5's default): `_prepare_static_cache` is wrapped on this
+instance to hand back the earlier cache of the same shape, reset in place (`StaticCache.reset` zeroes it).
+
+HF's `generate` decides to call the compiled step (`_valid_auto_compile_criteria`, which needs
+`compile_config._compile_all_devices` off CUDA); the model's `get_compiled_call` is replaced on this
+instance so the step compiles with freezing (an inductor setting that `torch.compile(options=...)` does
+not carry to the graph capture). The prefill stays eager: time to first token is HF's.
+"""
+from __future__ import annotations
+
+import shutil
+import types
+
+import torch
+from torch import nn
+
+__all__ = ["inject_kernels", "FrozenCompiledCall"]
+
+
+class FrozenCompiledCall:
+    """`torch.compile(fn, mode="max-autotune-no-cudagraphs")`, every call under inductor's `freezing=True`
+    (compilation reads the setting when a new shape is first seen, which is during a call)."""
+
+    def __init__(self, fn):
+        self.compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs")
+
+    def __call__(self, *args, **kwargs):
+        import torch._inductor.config as inductor_config
+
+        with torch.no_grad(), inductor_config.patch(freezing=True):
+            return self.compiled(*args, **kwargs)
+
+
+def _check_compiler(device: torch.device) -> None:
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ValueError("replace_with_kernel_inject=true compiles the decode step with torch.compile (inductor), "
+                         "which needs a C++ compiler on CPU (none of g++, c++, clang++ is on PATH): install one, or "
+                         "set replace_with_kernel_inject=false")
+
+
+def inject_kernels(module: nn.Module, device: torch.device) -> FrozenCompiledCall:
+    """Switch a HF generation model to the static KV cache, SDPA attention and the compiled decode step
+    (in place). Returns the compiled call `generate` will use. Raises ValueError for a module that is not
+    a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
+    gen = getattr(module, "generation_config", None)
+    hooks = ("generate", "get_compiled_call", "_prepare_static_cache")
+    if gen is None or not all(callable(getattr(module, h, None)) for h in hooks):
+        raise ValueError(f"replace_with_kernel_inject=true works on Hugging Face generation models (a "
+                         f"PreTrainedModel with generate, transformers >= 5); {type(module).__name__} is not one. Use "
+                         "engine.compile() to compile its forward instead")
+    _check_compiler(device)
+    from transformers import CompileConfig
+
+    impl = getattr(module.config, "_attn_implementation", None)
+    if impl not in (None, "sdpa") and hasattr(module, "set_attn_implementation"):
+        module.set_attn_implementation("sdpa")
+    gen.cache_implementation = "static"
+    cc = CompileConfig(fullgraph=False, dynamic=False, mode="max-autotune-no-cudagraphs")
+    cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
+    gen.compile_config = cc
+    call = FrozenCompiledCall(module.__call__)
+    module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
+    module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
+    return call
+
+
+def _reused_cache(prepare):
+    """Wrap HF's `_prepare_static_cache(cache_implementation, batch_size, max_cache_len, ...)`: the cache it
+    built earlier for the same batch size and (effective) length, reset, instead of a new one."""
+    caches: dict[tuple, object] = {}
+
+    def wrapped(self, *args, **kwargs):
+        fresh = prepare(*args, **kwargs)  # lazy: its tensors are allocated on first use
+        batch = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        key = (batch, getattr(self, "_previous_max_cache_length", None), self.dtype)
+        old = caches.get(key)
+        if old is None:
+            caches[key] = fresh
+            return fresh
+        old.reset()
+        return old
+
+    return wrapped
