@@ -126,3 +126,59 @@ def test_bad_input_and_injection_policy():
         assert "injection_policy" in errors["plan"] and "Block" in errors["plan"]
         assert errors["policy_diff"] < 1e-6
         assert errors["policy_sharded"] == ["0.down", "0.up", "1.down", "1.up"]
+
+
+def from_checkpoint(rank, world, arch, path):
+    """A model built on the meta device, sharded, and filled from a safetensors checkpoint (`save_pretrained`):
+    no rank ever allocates the full weights; the logits equal the plain model's."""
+    ids, mask = _prompts()
+    ref = BUILD[arch](seed=0).eval()
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+    engine = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32, checkpoint=path)
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    local = sum(p.numel() for _, layer in tensor_parallel_layers(model) for p in layer.parameters())
+    full = sum(ref.get_submodule(n).weight.numel() + (ref.get_submodule(n).bias.numel()
+               if getattr(ref.get_submodule(n), "bias", None) is not None else 0)
+               for n, _ in tensor_parallel_layers(model))
+    with torch.no_grad():
+        diff = (engine(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits).abs().max().item()
+        same = torch.equal(_generate(engine.module, ids, mask), _generate(ref, ids, mask))
+    return diff, same, local, full
+
+
+@pytest.mark.parametrize("arch", sorted(BUILD))
+def test_meta_model_loads_its_shards_from_safetensors(arch, tmp_path):
+    BUILD[arch](seed=0).save_pretrained(tmp_path, safe_serialization=True)
+    for diff, same, local, full in run_distributed(from_checkpoint, 2, arch, str(tmp_path), timeout=180):
+        assert diff < 1e-4 and same, (diff, same)
+        assert local < full  # sharded layers hold only their part (biases of row layers are whole)
+
+
+def trained_then_served(rank, world, path):
+    """Train 2 ZeRO-2 steps at dp 2, save a zerospeed checkpoint, then serve it at tp 2 from a meta model."""
+    from zerospeed.testing.models import random_tokens
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 2}}
+    engine, *_ = zerospeed.initialize(model=tiny_hf_llama(seed=0), config=config)
+    tokens = random_tokens(4, 16, seed=rank)
+    for i in range(2):
+        batch = tokens[2 * i:2 * i + 2]
+        loss = engine(batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(path)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        want = engine.module.eval()(ids, attention_mask=mask).logits
+    with torch.device("meta"):
+        model = tiny_hf_llama(seed=0).__class__(engine.module.config).eval()
+    served = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32, checkpoint=path)
+    with torch.no_grad():
+        return (served(ids, attention_mask=mask).logits - want).abs().max().item()
+
+
+def test_serves_a_zerospeed_training_checkpoint(tmp_path):
+    for diff in run_distributed(trained_then_served, 2, str(tmp_path / "ckpt"), timeout=180):
+        assert diff < 1e-4, diff

@@ -70,8 +70,12 @@ def test_device_errors():
     if zerospeed.get_accelerator().name != "cuda":
         with pytest.raises(ValueError, match="enable_cuda_graph=true needs CUDA"):
             zerospeed.init_inference(model, dtype=torch.float32, enable_cuda_graph=True)
-    with pytest.raises(ValueError, match="not implemented yet: checkpoint"):
+    with pytest.raises(ValueError, match="checkpoint /nonexistent does not exist"):
         zerospeed.init_inference(model, dtype=torch.float32, checkpoint="/nonexistent")
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    with pytest.raises(ValueError, match="meta device .* pass checkpoint="):
+        zerospeed.init_inference(meta, dtype=torch.float32)
 
 
 # -- dtypes and int8 -----------------------------------------------------------------------------------

@@ -7,8 +7,11 @@
 What happens, in order (each step only when its option asks for it), all checked before any weight changes:
 1. the config is read with DeepSpeed's keys (`zerospeed.config.inference`), config and kwargs merged;
 2. the weights are cast to `dtype` (fp16 / bf16 / fp32; for int8 the float weights stay as they are);
-3. with tp_size > 1: the ranks' weights are checked equal, the linear layers are sharded by the AutoTP
-   plan (`inference/tp.py`), the RNG state is broadcast so sampling agrees across ranks (as DeepSpeed);
+3. with tp_size > 1: the ranks' weights are checked equal (unless a checkpoint is loaded), the linear
+   layers are sharded by the AutoTP plan (`inference/tp.py`), the RNG state is broadcast so sampling
+   agrees across ranks (as DeepSpeed);
+3b. `checkpoint`: a model on the meta device gets its shards allocated, and every rank reads its own part
+   of each tensor from the file (`inference/load.py`); a materialised model is overwritten the same way;
 4. int8: every remaining linear layer's weight is quantized to int8 per output channel (`inference/quant.py`);
 5. the module moves to this rank's device unless `keep_module_on_host`;
 6. `replace_with_kernel_inject`: static KV cache, SDPA and a compiled decode step (`inference/inject.py`).
@@ -68,15 +71,33 @@ class InferenceEngine(nn.Module):
         if config.injection_policy and config.replace_with_kernel_inject:
             raise ValueError("injection_policy and replace_with_kernel_inject=true are exclusive (as in DeepSpeed): "
                              "drop one")
+        meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+        if meta and config.checkpoint is None:
+            raise ValueError("the model is on the meta device (no weights): pass checkpoint=<safetensors file or "
+                             "directory> so each rank loads its shard")
+        reader = None
+        if config.checkpoint is not None:
+            from .load import open_checkpoint
+            reader = open_checkpoint(config.checkpoint, config.base_dir)  # a bad path fails here, before any change
         self.module = model
         if not config.int8:
             model.to(config.dtype)
         self.tp: TPGroup = tp_group(config.tp_size, group=tp.tp_group, mpu=tp.mpu) if want_tp else TPGroup(None, 1, 0)
         self.sharded: list[str] = []
         if self.tp.size > 1:
-            check_same_weights(model, self.tp.group)
+            if reader is None:
+                check_same_weights(model, self.tp.group)
             self.sharded = shard_for_inference(model, plan, self.tp)
             _broadcast_rng(self.tp.group)
+        if meta:  # allocate this rank's shards only, then fill them
+            from .load import materialize
+            materialize(model, torch.device("cpu") if config.keep_module_on_host else accel.current_device_name())
+        if reader is not None:
+            from .load import load_weights
+            unloaded = load_weights(model, reader)
+            if meta and unloaded and not callable(getattr(model, "_init_weights", None)):
+                raise ValueError(f"the checkpoint lacks the buffers {unloaded[:6]} and the model (not a HF model) cannot "
+                                 "recompute them: build it off the meta device or save them in the checkpoint")
         self.quantized: list[str] = []
         if config.int8:
             from .quant import quantize_int8
@@ -164,8 +185,6 @@ def _broadcast_rng(group) -> None:
 def _refuse_unbuilt(config: InferenceConfig) -> None:
     """Options whose implementation is not in yet: a clear error, never a silent ignore."""
     todo = []
-    if config.checkpoint is not None:
-        todo.append("checkpoint= (load the weights with from_pretrained / load_state_dict before init_inference)")
     if config.zero.stage == 3:
         todo.append("zero stage 3 (ZeRO-Inference: use zerospeed.initialize(model=..., config={'zero_optimization': "
                     "{'stage': 3, 'offload_param': ...}}) and engine.module.generate)")

@@ -1,0 +1,194 @@
+"""Weights for serving from a checkpoint, each rank reading only its shard (`init_inference(checkpoint=...)`).
+
+Sources (`open_checkpoint`):
+* a `.safetensors` file, or a directory with `model.safetensors` or HF's sharded layout
+  (`model.safetensors.index.json` + `model-0000i-of-0000n.safetensors`: `save_pretrained`, `zerospeed
+  to-fp32`, `engine.save_16bit_model`). A tensor-parallel shard is read with safetensors' `get_slice`:
+  only this rank's rows (column-parallel) or columns (row-parallel) leave the file;
+* a zerospeed training checkpoint directory (`engine.save_checkpoint`): consolidated in memory by
+  `zero_to_fp32`, then sliced (convert it once with `zerospeed to-fp32` to read shards only).
+
+With a model built on the meta device (`with torch.device("meta"): model = AutoModelForCausalLM.
+from_config(cfg)`), no rank ever holds the full model: the engine shards the meta model, allocates the
+shards (`to_empty`) and `load_weights` fills them. Buffers a checkpoint does not hold (HF's rotary
+`inv_freq`) are recomputed by the model's own HF `_init_weights`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["open_checkpoint", "load_weights", "materialize", "SafetensorsReader", "StateDictReader"]
+
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+    """Tensors by name from safetensors files; `read(name, spec)` returns the full tensor or one shard."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files  # tensor name -> file
+
+    @classmethod
+    def from_path(cls, path: Path) -> "SafetensorsReader":
+        from safetensors import safe_open
+
+        if path.is_file():
+            paths = [path]
+        elif (path / INDEX).is_file():
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            return cls({name: path / fname for name, fname in weight_map.items()})
+        else:
+            paths = sorted(path.glob("*.safetensors"))
+        if not paths:
+            raise ValueError(f"checkpoint {path}: no .safetensors file and no {INDEX} found")
+        files = {}
+        for p in paths:
+            with safe_open(str(p), framework="pt") as f:
+                files.update({k: p for k in f.keys()})
+        return cls(files)
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def read(self, name: str, spec=None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            view = f.get_slice(name)
+            if spec is None:
+                return view[:]
+            shape = view.get_shape()
+            per_block = shape[spec.dim] // spec.blocks
+            m = per_block // spec.tp
+            parts = []
+            for b in range(spec.blocks):
+                start = b * per_block + spec.rank * m
+                index = tuple(slice(None) for _ in range(spec.dim)) + (slice(start, start + m),)
+                parts.append(view[index])
+            return torch.cat(parts, dim=spec.dim)
+
+
+class StateDictReader:
+    """Tensors by name from an in-memory state dict (a consolidated zerospeed checkpoint)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def names(self) -> set[str]:
+        return set(self.state)
+
+    def read(self, name: str, spec=None) -> torch.Tensor:
+        full = self.state[name]
+        if spec is None:
+            return full
+        from ..tensor_parallel.layers import shard_tensor
+        return shard_tensor(full, spec)
+
+
+def open_checkpoint(source, base_dir: str = "") -> SafetensorsReader | StateDictReader:
+    """A reader for `source`: a path (file or directory), or DeepSpeed's checkpoint json (a dict, or a path to
+    a .json file: {"type": ..., "checkpoints": [files], "base_dir": ...}; its safetensors files, relative to
+    its base_dir, else `base_dir`, else the json's directory). Raises ValueError for a missing path or an
+    unknown layout, naming what was looked for."""
+    if isinstance(source, (str, Path)) and str(source).endswith(".json") and Path(source).is_file():
+        data = json.loads(Path(source).read_text())
+        data.setdefault("base_dir", base_dir or str(Path(source).parent))
+        source = data
+    if isinstance(source, dict):
+        files = source.get("checkpoints") or []
+        base = Path(source.get("base_dir") or base_dir or ".")
+        paths = [base / f for f in (files if isinstance(files, list) else [files])]
+        if not paths or any(p.suffix != ".safetensors" for p in paths):
+            raise ValueError(f"checkpoint json {source!r}: only safetensors files are read; convert the weights with "
+                             "save_pretrained(safe_serialization=True) or zerospeed to-fp32")
+        readers = [SafetensorsReader.from_path(p) for p in paths]
+        return SafetensorsReader({k: v for r in readers for k, v in r.files.items()})
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if path.is_dir() and (path / "latest").is_file() or any(path.glob("*/zs_rank*.safetensors")):
+        from ..utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        return StateDictReader(get_fp32_state_dict_from_zero_checkpoint(path))
+    return SafetensorsReader.from_path(path)
+
+
+def materialize(model: nn.Module, device) -> None:
+    """`model.to_empty(device=device)`, keeping parameters shared under several names shared (to_empty gives
+    every name its own tensor: a tied lm_head would lose its tie)."""
+    shared: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    model.to_empty(device=device)
+    for names in shared.values():
+        first_owner, _, first_attr = names[0].rpartition(".")
+        param = getattr(model.get_submodule(first_owner) if first_owner else model, first_attr)
+        for other in names[1:]:
+            owner, _, attr = other.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, param)
+
+
+def _spec_of(model: nn.Module, name: str):
+    """The ShardSpec of parameter `name` if a tensor-parallel layer holds it sharded, else None."""
+    from ..tensor_parallel.layers import _ParallelLinear
+
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return module.shard_specs.get(attr) if isinstance(module, _ParallelLinear) else None
+
+
+def _candidates(model: nn.Module, name: str) -> list[str]:
+    """`name`, and the same without / with the HF base-model prefix (a base model's checkpoint in a LM head
+    model, or the reverse)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out = [name]
+    if prefix and name.startswith(prefix + "."):
+        out.append(name[len(prefix) + 1:])
+    elif prefix:
+        out.append(f"{prefix}.{name}")
+    return out
+
+
+def load_weights(model: nn.Module, reader) -> list[str]:
+    """Copy every parameter and buffer of `model` (already allocated: `to_empty`) from `reader`,
+    tensor-parallel shards as shards, converting dtypes. A tensor shared under several names (a tied lm_head)
+    is read once under any of them. Returns the names of the buffers the checkpoint lacked, which are
+    recomputed by the model's HF `_init_weights`. Raises ValueError listing the parameters it lacks."""
+    available = reader.names()
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    params = {id(p) for p in model.parameters()}
+    missing, unloaded_buffers = [], []
+    with torch.no_grad():
+        for key, names in groups.items():
+            hit = next(((n, c) for n in names for c in _candidates(model, n) if c in available), None)
+            if hit is None:
+                (missing if key in params else unloaded_buffers).append(names[0])
+                continue
+            name, stored = hit
+            value = reader.read(stored, _spec_of(model, name))
+            target = tensors[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"checkpoint tensor {stored} has shape {tuple(value.shape)} (this rank's part), the "
+                                 f"model's {name} {tuple(target.shape)}: the checkpoint is for another model")
+            target.copy_(value)
+    if missing:
+        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model ({shown}); it holds e.g. "
+                         f"{sorted(available)[:4]}")
+    init = getattr(model, "_init_weights", None)
+    if unloaded_buffers and callable(init):
+        for owner in sorted({n.rpartition(".")[0] for n in unloaded_buffers}):
+            module = model.get_submodule(owner) if owner else model
+            loaded = {k: p.detach().clone() for k, p in module.named_parameters(recurse=False)}
+            with torch.no_grad():
+                init(module)  # HF's initialiser recomputes e.g. rotary inv_freq; loaded weights are put back
+                for k, v in loaded.items():
+                    getattr(module, k).copy_(v)
+    return unloaded_buffers
