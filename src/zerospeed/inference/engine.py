@@ -80,6 +80,10 @@ class InferenceEngine(nn.Module):
             from .load import open_checkpoint
             reader = open_checkpoint(config.checkpoint, config.base_dir)  # a bad path fails here, before any change
         self.module = model
+        self.zero_engine = None
+        if config.zero.stage == 3:
+            self._zero_inference(model, config)
+            return
         if not config.int8:
             model.to(config.dtype)
         self.tp: TPGroup = tp_group(config.tp_size, group=tp.tp_group, mpu=tp.mpu) if want_tp else TPGroup(None, 1, 0)
@@ -112,6 +116,34 @@ class InferenceEngine(nn.Module):
         self._is_compiled = False
         self._model_times: list[float] = []
 
+    def _zero_inference(self, model: nn.Module, config: InferenceConfig) -> None:
+        """ZeRO-Inference (ZeRO-Infinity, Rajbhandari et al. 2021, §5): a ZeRO-3 engine without optimizer over
+        every rank; each layer's weights are gathered (read from host memory or NVMe ahead of use with
+        `offload_param`) just before its forward and freed after, so a rank holds about one layer at a time."""
+        clash = [name for name, on in (("tensor_parallel.tp_size > 1", config.tp_size > 1), ("dtype=torch.int8", config.int8),
+                                        ("replace_with_kernel_inject", config.replace_with_kernel_inject),
+                                        ("checkpoint", config.checkpoint is not None)) if on]
+        if clash:
+            raise ValueError(f"zero stage 3 (ZeRO-Inference) does not combine with {', '.join(clash)}; drop them, "
+                             "or drop the zero block")
+        from ..runtime import initialize
+
+        zero = config.zero.model_dump(exclude_unset=True, exclude_none=True)
+        param = zero.get("offload_param") or {}
+        if param.get("device") == "nvme" and "offload_optimizer" not in zero:
+            # no optimizer reads the ZeRO-3 fp32 master shard, but the stage keeps one per unit: on NVMe beside
+            # the parameter shard (written once), host memory holds only the read buffers and gathered layers
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": param.get("nvme_path")}
+        ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+        if config.dtype is torch.bfloat16:
+            ds["bf16"] = {"enabled": True}
+        elif config.dtype is torch.float16:
+            ds["fp16"] = {"enabled": True}
+        self.zero_engine, *_ = initialize(model=model, config=ds)
+        self.module = self.zero_engine.module
+        self.tp, self.sharded, self.quantized, self.decode_step = TPGroup(None, 1, 0), [], [], None
+        self._is_compiled, self._model_times = False, []
+
     # -- DeepSpeed's InferenceEngine surface ------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """`self.module(*inputs, **kwargs)`."""
@@ -143,8 +175,10 @@ class InferenceEngine(nn.Module):
         return self._is_compiled
 
     def destroy(self) -> None:
-        """Release references (DeepSpeed frees its kernel workspace here)."""
+        """Release references (DeepSpeed frees its kernel workspace here); ZeRO-Inference's engine too."""
         self._model_times.clear()
+        if self.zero_engine is not None:
+            self.zero_engine.destroy()
 
     def model_times(self) -> list[float]:
         """Forward times recorded by `profile_model_time` (milliseconds), then cleared."""
@@ -185,9 +219,9 @@ def _broadcast_rng(group) -> None:
 def _refuse_unbuilt(config: InferenceConfig) -> None:
     """Options whose implementation is not in yet: a clear error, never a silent ignore."""
     todo = []
-    if config.zero.stage == 3:
-        todo.append("zero stage 3 (ZeRO-Inference: use zerospeed.initialize(model=..., config={'zero_optimization': "
-                    "{'stage': 3, 'offload_param': ...}}) and engine.module.generate)")
+    if 0 < config.zero.stage < 3:
+        todo.append(f"zero stage {config.zero.stage} (ZeRO-Inference is stage 3: the weights partitioned over the "
+                    "ranks, or streamed from offload_param cpu / nvme)")
     if config.save_mp_checkpoint_path or config.set_empty_params:
         todo.append("save_mp_checkpoint_path / set_empty_params")
     if todo:
