@@ -154,3 +154,28 @@ def test_generate_rejects_long_prompt():
     engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=torch.float32, max_out_tokens=8)
     with pytest.raises(RuntimeError, match="exceeds max_out_tokens=8"):
         engine.generate(_ids(length=9), max_new_tokens=2)
+
+
+def test_config_file_and_checkpoint_json(tmp_path):
+    """A JSON config file and DeepSpeed's checkpoint json ({"type", "checkpoints", "base_dir"}, also as a
+    .json path) load the saved weights into a meta model; int8 of the loaded weights as of the in-memory ones."""
+    import json
+
+    ref = tiny_hf_gpt2(seed=1).eval()
+    ref.save_pretrained(tmp_path / "w", safe_serialization=True)
+    (tmp_path / "ckpt.json").write_text(json.dumps({"type": "ds_model", "checkpoints": ["model.safetensors"],
+                                                    "base_dir": str(tmp_path / "w")}))
+    (tmp_path / "cfg.json").write_text(json.dumps({"dtype": "fp32", "checkpoint": str(tmp_path / "ckpt.json")}))
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+        for config, dtype in ((str(tmp_path / "cfg.json"), None), ({"checkpoint": {
+                "type": "ds_model", "checkpoints": ["model.safetensors"], "base_dir": str(tmp_path / "w")}}, "int8")):
+            with torch.device("meta"):
+                model = type(ref)(ref.config).eval()
+            kwargs = {"dtype": torch.int8} if dtype else {}
+            got = zerospeed.init_inference(model, config=config, **kwargs)(ids).logits
+            if dtype is None:
+                assert torch.equal(got, want)
+            else:
+                assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
