@@ -1,0 +1,270 @@
+"""One configuration of bench_inference.py (issue 26): one system serving one GPT-2 at one batch size. Started by
+`bench_inference.py` (not a user entry point): plain `python` for world 1, torchrun for the tp 2 systems.
+
+    python bench/_inference_worker.py --system zs-fp32 --model 124m --batch 1 --prompt 128 --new-tokens 256 \
+        --inner 2 --result out.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 bench/_inference_worker.py --system zs-tp2-fp32 ...
+
+The model: `transformers.GPT2LMHeadModel` built from its config after `torch.manual_seed(seed)` (random init, no
+download), `.eval()`. The system wraps it (`wrap`), then, in this order:
+
+1. warm-up: one `generate` with the measured shapes (kernel injection compiles its decode step here);
+2. prefill (TTFT): median of 3 forwards of the prompt, `module(input_ids, attention_mask, use_cache=True,
+   logits_to_keep=1)` - the work `generate` does before its first token - in every system alike;
+3. `--inner` timed `generate(max_new_tokens=N, min_new_tokens=N)` calls, greedy, pad_token_id 0, attention mask of
+   ones: exactly N tokens each.
+
+Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
+token ids of the last call. `measure_bandwidth` (run by the parent in a `python -c` process of its own) gives the
+machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's weight shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_T_PROCESS = time.time()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+VOCAB = 50257  # GPT2Config()'s
+# name -> GPT2Config keyword arguments (124m is GPT2Config()'s defaults, spelt out for measure_bandwidth)
+MODELS = {"124m": dict(n_embd=768, n_layer=12, n_head=12), "350m": dict(n_embd=1024, n_layer=24, n_head=16)}
+# system -> (kind, dtype, kernel injection, tp size)
+SYSTEMS = {
+    "hf-fp32": ("hf", "fp32", False, 1),
+    "hf-bf16": ("hf", "bf16", False, 1),
+    "zs-fp32": ("zs", "fp32", True, 1),
+    "zs-bf16": ("zs", "bf16", True, 1),
+    "zs-int8": ("zs", "int8", True, 1),
+    "zs-fp32-noinject": ("zs", "fp32", False, 1),
+    "zs-tp2-fp32": ("zs", "fp32", True, 2),
+    "zs-tp2-bf16": ("zs", "bf16", True, 2),
+    "deepspeed-fp32": ("deepspeed", "fp32", False, 1),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def vm_hwm_bytes() -> int:
+    """Peak resident set size of this process (VmHWM of /proc/self/status; ru_maxrss where that is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(model: str, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    net = transformers.GPT2LMHeadModel(transformers.GPT2Config(**MODELS[model])).eval()
+    assert net.config.vocab_size == VOCAB, net.config.vocab_size
+    return net
+
+
+def wrap(system: str, net):
+    """(the object to keep alive, the HF module to call) for `system`."""
+    kind, dtype, inject, tp = SYSTEMS[system]
+    if kind == "hf":
+        if dtype != "fp32":
+            net.to(DTYPES[dtype])
+        return net, net
+    if kind == "zs":
+        import zerospeed
+
+        kw = {"dtype": DTYPES[dtype], "replace_with_kernel_inject": inject}
+        if tp > 1:
+            kw["tensor_parallel"] = {"tp_size": tp}
+        engine = zerospeed.init_inference(net, **kw)
+        return engine, engine.module
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    engine = deepspeed.init_inference(net, dtype=DTYPES[dtype], replace_with_kernel_inject=False)
+    return engine, engine.module
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def run(args, world: int) -> dict:
+    from zerospeed.inference.quant import weight_bytes
+
+    rss_start = vm_hwm_bytes()
+    net = build_model(args.model, args.seed)
+    n_params = sum(p.numel() for p in net.parameters())
+    t0 = time.perf_counter()
+    keep, module = wrap(args.system, net)
+    setup_s = time.perf_counter() - t0
+    wbytes = weight_bytes(module)
+    wpe_bytes = weight_bytes(module.transformer.wpe)  # the position table: a lookup, not read whole per token
+    threads_after_setup = torch.get_num_threads()
+    rss_after_setup = vm_hwm_bytes()
+
+    gen = torch.Generator().manual_seed(args.prompt_seed)
+    ids = torch.randint(0, VOCAB, (args.batch, args.prompt), generator=gen)
+    mask = torch.ones_like(ids)
+    n = args.new_tokens
+
+    def generate():
+        _barrier()
+        t, c = time.perf_counter(), time.process_time()
+        out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        if out.shape != (args.batch, args.prompt + n):
+            raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {(args.batch, args.prompt + n)}")
+        return wall, cpu, out
+
+    def prefill():
+        _barrier()
+        with torch.no_grad():
+            t = time.perf_counter()
+            module(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - t
+
+    warmup_s, _, _ = generate()
+    first_gen_at = time.time()
+    prefill_s = [prefill() for _ in range(3)]
+    gen_s, gen_cpu_s, out = [], [], None
+    for _ in range(args.inner):
+        wall, cpu, out = generate()
+        gen_s.append(wall)
+        gen_cpu_s.append(cpu)
+    per_rank = [{"peak_rss_bytes": vm_hwm_bytes(), "start_rss_bytes": rss_start, "setup_rss_bytes": rss_after_setup,
+                 "weight_bytes": wbytes, "wpe_bytes": wpe_bytes}]
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, per_rank[0])
+        per_rank = gathered
+    del keep
+    return {
+        "status": "ok", "n_params": n_params, "threads_after_setup": threads_after_setup, "setup_s": setup_s, "warmup_s": warmup_s,
+        "prefill_s": prefill_s, "gen_s": gen_s, "gen_cpu_s": gen_cpu_s,
+        "peak_rss_bytes": [r["peak_rss_bytes"] for r in per_rank],
+        "start_rss_bytes": [r["start_rss_bytes"] for r in per_rank],
+        "setup_rss_bytes": [r["setup_rss_bytes"] for r in per_rank],
+        "weight_bytes": [r["weight_bytes"] for r in per_rank],
+        "wpe_bytes": [r["wpe_bytes"] for r in per_rank],
+        "launch_to_first_generate_s": first_gen_at - (args.launch_time or _T_PROCESS),
+        "tokens": out[:, args.prompt:].tolist(),
+    }
+
+
+# -- the machine's bandwidth (the parent runs this in a process of its own) ------------------------------------------
+def measure_bandwidth(models: list[str], threads: int = 2, trials: int = 7) -> dict:
+    """Read bandwidth: median of `trials` `x.sum()` over a 512 MiB fp32 tensor, GB/s (1e9 B/s). Eager fp32 GEMV rate
+    per model: `F.linear` of a [1, in] vector over every weight matrix of that GPT-2 (per block c_attn [3d, d],
+    attn c_proj [d, d], c_fc [4d, d], mlp c_proj [d, 4d]; the lm_head [vocab, d]), all distinct tensors, one pass =
+    one decode step's matrices; bytes of the matrices / median pass time."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    out = {"threads": threads, "trials": trials}
+    x = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    out["read_gbs"] = x.numel() * 4 / statistics.median(times) / 1e9
+    out["read_gbs_all"] = [x.numel() * 4 / s / 1e9 for s in times]
+    del x
+    out["gemv_gbs"] = {}
+    for name in models:
+        d, layers = MODELS[name]["n_embd"], MODELS[name]["n_layer"]
+        shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(VOCAB, d)]
+        mats = [torch.randn(s, dtype=torch.float32) for s in shapes]
+        vecs = {i: torch.randn(1, i) for i in {s[1] for s in shapes}}
+        nbytes = sum(m.numel() * 4 for m in mats)
+
+        times = []
+        for trial in range(trials + 1):  # the first pass untimed (page faults, oneDNN set-up)
+            t = time.perf_counter()
+            for m in mats:
+                F.linear(vecs[m.shape[1]], m)
+            if trial:
+                times.append(time.perf_counter() - t)
+        out["gemv_gbs"][name] = nbytes / statistics.median(times) / 1e9
+        del mats
+    return out
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", required=True, choices=sorted(SYSTEMS))
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--inner", type=int, default=2, help="timed generate calls")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model")
+    p.add_argument("--prompt-seed", type=int, default=1234, help="seed of the prompt's random token ids")
+    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    p.add_argument("--launch-time", type=float, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2" if world == 1 else "1"))
+    torch.set_num_threads(threads)
+    meta = {k: getattr(args, k) for k in ("system", "model", "batch", "prompt", "new_tokens", "inner", "seed",
+                                          "prompt_seed")}
+    meta.update(world_size=world, threads=threads, torch=torch.__version__)
+    if world != SYSTEMS[args.system][3]:
+        raise SystemExit(f"{args.system} runs at world size {SYSTEMS[args.system][3]}, launched at {world}")
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+        if SYSTEMS[args.system][0] == "deepspeed":
+            import deepspeed
+
+            meta["deepspeed"] = deepspeed.__version__
+        result = run(args, world)
+        code = 0
+    except Exception as e:  # noqa: BLE001 - reported in the table, the benchmark goes on
+        result = {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(result["traceback"], file=sys.stderr, flush=True)
+        code = 1
+    if rank == 0:
+        tmp = Path(args.result).with_suffix(".tmp")
+        tmp.write_text(json.dumps({**meta, **result}))
+        tmp.replace(args.result)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
