@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerospeed
+from zerospeed.inference.quant import weight_bytes
 from zerospeed.tensor_parallel import tensor_parallel_layers
 from zerospeed.testing.models import tiny_hf_gpt2, tiny_hf_llama
 from zerospeed.testing.spawn import run_distributed
@@ -49,6 +50,8 @@ def served(rank, world, arch):
         for name, layer in tensor_parallel_layers(model):  # half of every sharded weight
             full = ref.get_submodule(name).weight
             assert layer.weight.numel() * 2 == full.numel(), name
+        out["bytes"] = weight_bytes(model) / weight_bytes(ref)  # the vocabulary table split too
+        out["vocab_sharded"] = sorted(n for n in engine.sharded if "lm_head" in n or "embed" in n or "wte" in n)
         out["fp32"] = (engine(ids, attention_mask=mask).logits - want).abs().max().item()
         tokens = _generate(engine.module, ids, mask)
         out["tokens"] = torch.equal(tokens, want_tokens)
@@ -74,8 +77,29 @@ def test_tp_inference_matches_plain_model(arch, world):
         local, full = out["kv_heads"]
         assert local * 2 == full, out
         assert out["bf16"] < 0.03, out
+        assert out["bytes"] <= 0.55 and len(out["vocab_sharded"]) == 2, out
         assert out["int8_cos"] >= 0.999, out
         assert out["int8_agree"] >= 0.5, out  # measured 0.67-0.69: tiny random models have flat logits
+
+
+def uneven_vocab(rank, world):
+    """A vocabulary that tp does not divide (GPT-2's 50,257 at tp 2): the last rank holds fewer rows."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=255, n_positions=64, n_embd=64, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    torch.manual_seed(0)
+    engine = zerospeed.init_inference(transformers.GPT2LMHeadModel(cfg).eval(), tp={"tp_size": 2}, dtype=torch.float32)
+    ids = torch.tensor([[0, 127, 128, 254, 3]])
+    with torch.no_grad():
+        got, want = engine(ids).logits, ref(ids).logits
+    rows = engine.module.transformer.wte.weight.shape[0]
+    return got.shape == want.shape and (got - want).abs().max().item() < 1e-5, rows
+
+
+def test_uneven_vocabulary():
+    assert run_distributed(uneven_vocab, 2) == [(True, 128), (True, 127)]
 
 
 def bad_input(rank, world):

@@ -61,6 +61,8 @@ class SafetensorsReader:
             view = f.get_slice(name)
             if spec is None:
                 return view[:]
+            if isinstance(spec, tuple):  # rows [start, end)
+                return view[spec[0]:spec[1]]
             shape = view.get_shape()
             per_block = shape[spec.dim] // spec.blocks
             m = per_block // spec.tp
@@ -85,6 +87,8 @@ class StateDictReader:
         full = self.state[name]
         if spec is None:
             return full
+        if isinstance(spec, tuple):  # rows [start, end)
+            return full[spec[0]:spec[1]]
         from ..tensor_parallel.layers import shard_tensor
         return shard_tensor(full, spec)
 
@@ -132,11 +136,15 @@ def materialize(model: nn.Module, device) -> None:
 
 
 def _spec_of(model: nn.Module, name: str):
-    """The ShardSpec of parameter `name` if a tensor-parallel layer holds it sharded, else None."""
+    """How parameter `name` is sharded: a ShardSpec (a tensor-parallel layer), a (start, end) row range (a
+    vocab-parallel table), or None (whole)."""
     from ..tensor_parallel.layers import _ParallelLinear
+    from .vocab import _VocabParallel
 
     owner, _, attr = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
+    if isinstance(module, _VocabParallel) and attr == "weight":
+        return (module.start, module.end)
     return module.shard_specs.get(attr) if isinstance(module, _ParallelLinear) else None
 
 

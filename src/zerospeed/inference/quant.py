@@ -101,6 +101,7 @@ def quantize_int8(model: nn.Module, *, min_rows: int = 64) -> list[str]:
     `min_rows` rows (position tables below that stay float). Weights shared between an embedding and a
     linear layer (a tied lm_head) become one int8 table. Returns the names of the quantized modules."""
     from ..tensor_parallel.layers import _ParallelLinear
+    from .vocab import _VocabParallel
 
     done: list[str] = []
     shared: dict[int, Int8Matmul] = {}  # id(float weight) -> its int8 table
@@ -113,6 +114,12 @@ def quantize_int8(model: nn.Module, *, min_rows: int = 64) -> list[str]:
                 module.matmul_impl = Int8Matmul.from_weight(module.weight, transposed=module.transposed)
                 del module.weight
                 done.append(name)
+            continue
+        if isinstance(module, _VocabParallel):  # a tied embedding / lm_head pair shares one int8 table
+            module.int8 = shared.setdefault(id(module.weight), Int8Matmul.from_weight(module.weight))
+            module.int8_dtype = module.weight.dtype
+            del module.weight
+            done.append(name)
             continue
         if isinstance(module, nn.Embedding) and module.num_embeddings >= min_rows:
             table = shared.setdefault(id(module.weight), Int8Matmul.from_weight(module.weight))

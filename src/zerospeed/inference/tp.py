@@ -3,8 +3,9 @@
 The model's linear layers are sharded exactly as `tensor_parallel.autotp_size` shards them for training
 (`zerospeed.tensor_parallel.apply_tensor_parallel`, Megatron-LM's column -> row split: Shoeybi et al. 2019,
 §3): attention heads and MLP columns over the tp ranks, one all-reduce per attention block and per MLP
-block, the KV cache holding this rank's heads only (HF caches what its attention computes). Embeddings,
-norms and the lm_head stay whole on every rank.
+block, the KV cache holding this rank's heads only (HF caches what its attention computes). The token
+embedding and lm_head are split by vocabulary rows (`inference/vocab.py`); norms and position tables stay
+whole on every rank.
 
 The plan is the model type's preset (llama, mistral, qwen2, qwen3, gpt2), else the model's HF
 `base_model_tp_plan`, else DeepSpeed's `injection_policy` ({layer class: names of its output linears}).
@@ -132,5 +133,9 @@ def check_same_weights(model: nn.Module, group) -> None:
 
 
 def shard_for_inference(model: nn.Module, plan: TPPlan, tp: TPGroup) -> list[str]:
-    """Replace the plan's layers by tensor-parallel ones holding shard `tp.rank`; returns their names."""
-    return apply_tensor_parallel(model, plan, group=tp.group, tp=tp.size, rank=tp.rank)
+    """Replace the plan's layers by tensor-parallel ones holding shard `tp.rank`, and a HF model's token
+    embedding and lm_head by vocab-parallel ones (`inference/vocab.py`); returns the replaced names."""
+    from .vocab import shard_vocab
+
+    names = apply_tensor_parallel(model, plan, group=tp.group, tp=tp.size, rank=tp.rank)
+    return names + shard_vocab(model, group=tp.group, tp=tp.size, rank=tp.rank)
