@@ -108,6 +108,9 @@ class InferenceEngine(nn.Module):
             self.quantized = quantize_int8(model)
         if not config.keep_module_on_host:
             model.to(accel.current_device_name())
+        if self.quantized:
+            from .quant import select_kernel
+            select_kernel(model)  # on the device the weights now live on
         self.decode_step = None  # the compiled decode step of kernel injection
         if config.replace_with_kernel_inject:
             from .inject import inject_kernels

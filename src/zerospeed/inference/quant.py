@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Matmul", "Int8Linear", "Int8Embedding", "quantize_int8", "quantize_rows", "weight_bytes"]
-
-_PACKED_OK: dict[str, bool] = {}  # device type -> whether _weight_int8pack_mm runs there
-
+__all__ = ["Int8Matmul", "Int8Linear", "Int8Embedding", "quantize_int8", "quantize_rows", "select_kernel",
+           "weight_bytes"]
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [rows, cols], scale float32 [rows]) with weight ~= q * scale[:, None], symmetric per row."""
@@ -45,17 +43,14 @@ class Int8Matmul(nn.Module):
         """From a float weight [out, in] (`transposed`: HF Conv1D's [in, out])."""
         return cls(*quantize_rows(weight.t() if transposed else weight))
 
+    packed = True  # torch's int8 x bf16 kernel runs on this device (set by `select_kernel`)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        kind = x.device.type
-        if _PACKED_OK.get(kind, True):
-            try:
-                y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scale_bf16)
-                _PACKED_OK[kind] = True
-                return y.to(x.dtype).reshape(*shape[:-1], -1)
-            except (RuntimeError, NotImplementedError):
-                _PACKED_OK[kind] = False
+        if self.packed:
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.qweight, self.scale_bf16)
+            return y.to(x.dtype).reshape(*shape[:-1], -1)
         y = F.linear(x2, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
         return y.reshape(*shape[:-1], -1)
 
@@ -135,6 +130,26 @@ def quantize_int8(model: nn.Module, *, min_rows: int = 64) -> list[str]:
             setattr(parent, child, Int8Linear(table, module.bias))
             done.append(name)
     return done
+
+
+def select_kernel(model: nn.Module) -> bool:
+    """Probe once whether `torch._weight_int8pack_mm` runs on the device of `model`'s int8 weights and set
+    every `Int8Matmul.packed` accordingly (no probing inside forward: a compiled step must not branch on
+    exceptions). Returns the choice."""
+    mats = [m for m in model.modules() if isinstance(m, Int8Matmul)]
+    if not mats:
+        return False
+    device = mats[0].qweight.device
+    try:
+        torch._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16, device=device),
+                                  torch.ones(8, 32, dtype=torch.int8, device=device),
+                                  torch.ones(8, dtype=torch.bfloat16, device=device))
+        ok = True
+    except (RuntimeError, NotImplementedError):
+        ok = False
+    for m in mats:
+        m.packed = ok
+    return ok
 
 
 def weight_bytes(model: nn.Module) -> int:
