@@ -206,3 +206,21 @@ def trained_then_served(rank, world, path):
 def test_serves_a_zerospeed_training_checkpoint(tmp_path):
     for diff in run_distributed(trained_then_served, 2, str(tmp_path / "ckpt"), timeout=180):
         assert diff < 1e-4, diff
+
+
+def with_mpu(rank, world):
+    """tensor_parallel.mpu: a Megatron-style mpu (here zerospeed's own ParallelMesh) gives the group."""
+    from zerospeed.parallel import ParallelMesh
+
+    mesh = ParallelMesh.build(tp=2)
+    ids, mask = _prompts()
+    ref = tiny_hf_llama(seed=0).eval()
+    engine = zerospeed.init_inference(tiny_hf_llama(seed=0).eval(), tensor_parallel={"mpu": mesh}, dtype=torch.float32)
+    with torch.no_grad():
+        diff = (engine(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits).abs().max().item()
+    return engine.tp.size, diff
+
+
+def test_mpu_gives_the_tensor_parallel_group():
+    for size, diff in run_distributed(with_mpu, 2):
+        assert size == 2 and diff < 1e-4

@@ -61,8 +61,9 @@ class InferenceEngine(nn.Module):
             raise ValueError(f"dtype {config.dtype} is not supported by the {accel.name} accelerator "
                              f"(supported: {accel.supported_dtypes()}); DeepSpeed's default dtype is float16, so "
                              "pass dtype=torch.float32 or torch.bfloat16")
-        if config.enable_cuda_graph and accel.name != "cuda":
-            raise ValueError(f"enable_cuda_graph=true needs CUDA; this process runs on {accel.name}. Remove it")
+        if config.enable_cuda_graph and not callable(getattr(getattr(torch, accel.name, None), "graph", None)):
+            raise ValueError(f"enable_cuda_graph=true needs a device with graph capture (CUDA); this process runs on "
+                             f"{accel.name}. Remove it")
         plan = None
         tp = self._config.tensor_parallel
         want_tp = config.tp_size > 1 or tp.tp_group is not None or tp.mpu is not None

@@ -44,9 +44,12 @@ def tp_group(tp_size: int, *, group=None, mpu=None) -> TPGroup:
     if not dist.is_initialized():
         from ..comm import init_distributed
         init_distributed()
-    if mpu is not None:
-        get = getattr(mpu, "get_tensor_model_parallel_group", None) or getattr(mpu, "get_model_parallel_group")
-        group = get()
+    if mpu is not None:  # a Megatron-style mpu, validated and read as the training engine reads one
+        from ..parallel import ParallelMesh
+        mesh = ParallelMesh.from_mpu(mpu)
+        if mesh.size("tensor") == 1:
+            return TPGroup(None, 1, 0)
+        group = mesh.group("tensor")
     if group is not None:
         size = dist.get_world_size(group)
         if tp_size > 1 and size != tp_size:
