@@ -24,7 +24,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [rows, cols], scale float32 [rows]) with weight ~= q * scale[:, None], symmetric per row."""
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()  # a Conv1D's w is a view
     return q, scale
 
 
