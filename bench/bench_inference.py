@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _report import raise_interrupt, write_results  # noqa: E402
+from bench_zero import launch  # noqa: E402
 
 MB = 1e6
 MODEL_NAMES = ("124m", "350m")
@@ -96,28 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def new_tokens_of(args, system: str) -> int:
     return args.slow_new_tokens if system in SLOW and args.slow_new_tokens else args.new_tokens
-
-
-# -- launching -------------------------------------------------------------------------------------------------
-def launch(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int | None, float]:
-    """Run `cmd` in its own process group with `env`; kill the group after `timeout` s. Returns (exit code, s)."""
-    t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=15)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            code = None
-    return code, time.time() - t0
 
 
 def worker_env(threads: int, inductor_cache: Path) -> dict:
@@ -174,7 +153,7 @@ def run_all(args, logs: Path, tmp: Path, inductor_cache: Path) -> tuple[list[dic
                             str(world), *worker] if world > 1 else [sys.executable, *worker])
                     load = os.getloadavg()[0]
                     env = worker_env(2 if world == 1 else 1, inductor_cache)
-                    code, wall = launch(cmd, logs / f"{name}.log", args.timeout, env)
+                    code, wall = launch(cmd, logs / f"{name}.log", args.timeout, env=env)
                     if result.exists():
                         run = json.loads(result.read_text())
                         run.pop("traceback", None)

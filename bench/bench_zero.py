@@ -141,11 +141,19 @@ def measure_peak() -> dict:
         torch.set_num_threads(threads)
 
 
-def launch(cmd: list[str], log: Path, timeout: float, pythonpath: str | None = None) -> tuple[int | None, float]:
-    """Run `cmd` in its own process group; kill the group after `timeout` s. Returns (exit code, seconds)."""
+def _launch_env(pythonpath: str | None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    return env
+
+
+def launch(cmd: list[str], log: Path, timeout: float, pythonpath: str | None = None,
+           env: dict | None = None) -> tuple[int | None, float]:
+    """Run `cmd` in its own process group; kill the group after `timeout` s. Returns (exit code, seconds).
+    env: the whole environment to run with (default: this one with 1 OpenMP thread and `pythonpath` first)."""
+    if env is None:
+        env = _launch_env(pythonpath)
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
