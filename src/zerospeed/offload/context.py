@@ -23,13 +23,14 @@ _log = logging.getLogger("zerospeed")
 
 
 def estimate_needs(policy: OffloadPolicy, *, numel: int, world: int, param_bytes: int,
-                   largest_unit: int | None = None, states: int = 2) -> dict[str, dict]:
+                   largest_unit: int | None = None, states: int = 2, stage: int = 3) -> dict[str, dict]:
     """What one rank will need, in bytes: {"host": n, "pinned": n, "disk": {"optimizer" | "param": n}}.
 
     numel: trainable parameters Ψ (elements); world: dp ranks N; param_bytes: bytes per element of
     the parameter dtype; largest_unit: elements of the largest stage-3 gather unit (default Ψ);
     states: elementwise optimizer states per element (Adam: 2). The fp32 masters and states take
-    (1 + states) x 4 x Ψ/N bytes wherever the optimizer offload puts them.
+    (1 + states) x 4 x Ψ/N bytes wherever the optimizer offload puts them; at stage 3 with the
+    optimizer on NVMe the fp32 gradients go there too (4 x Ψ/N bytes, `SwappedGrads`).
     """
     shard = -(-numel // world)
     host, disk = 0, {}
@@ -39,7 +40,7 @@ def estimate_needs(policy: OffloadPolicy, *, numel: int, world: int, param_bytes
     elif policy.optimizer == "nvme":
         tile = min(policy.sub_group_size, shard)
         host += (2 if policy.pipeline else 1) * (1 + states) * 4 * tile
-        disk["optimizer"] = opt_bytes
+        disk["optimizer"] = opt_bytes + (4 * shard if stage == 3 else 0)
     if policy.param == "nvme":
         unit = -(-(largest_unit or numel) // world)
         host += max(policy.param_buffer_count, 2) * min(policy.param_buffer_size, unit) * param_bytes
@@ -57,7 +58,8 @@ class OffloadContext:
 
     @classmethod
     def create(cls, policy: OffloadPolicy, aio_cfg, *, rank: int, local_ranks: int, numel: int, world: int,
-               param_bytes: int, largest_unit: int | None = None, clear_stale_files: bool = True) -> OffloadContext:
+               param_bytes: int, largest_unit: int | None = None, clear_stale_files: bool = True,
+               stage: int = 3) -> OffloadContext:
         """Pre-flight (nvme_path usable, enough RAM / pinned memory / disk for `local_ranks` ranks on
         this node; with `clear_stale_files` (one rank per node) swap files of dead runs are removed
         first), then open the swap spaces. Raises OffloadResourceError with the numbers and the fix."""
@@ -69,7 +71,8 @@ class OffloadContext:
         if clear_stale_files:
             for p in set(paths.values()):
                 clear_stale(p)
-        needs = estimate_needs(policy, numel=numel, world=world, param_bytes=param_bytes, largest_unit=largest_unit)
+        needs = estimate_needs(policy, numel=numel, world=world, param_bytes=param_bytes, largest_unit=largest_unit,
+                               stage=stage)
         disk: dict = {}
         for what, n in needs["disk"].items():
             disk[paths[what]] = disk.get(paths[what], 0) + n

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .aio import HOST, aligned_empty, aligned_numel
+from .grads import SwappedGrads
 from .swap import SwapSpace
 
 __all__ = ["SwappedOptimizer"]
@@ -47,6 +48,11 @@ class _Tile:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def first_element(self) -> int:
+        """Offset of the tile's first element in its (flattened) master."""
+        return self.rows[0] * math.prod(self.shape[1:])
 
 
 class SwappedOptimizer:
@@ -137,11 +143,23 @@ class SwappedOptimizer:
         return f * aligned_numel(self.max_tile, self.dtype) * torch.empty(0, dtype=self.dtype).element_size()
 
     # -- I/O of one tile --------------------------------------------------------------------------
-    def _read(self, tile: _Tile, bufs: list[torch.Tensor]) -> list:
+    def _read(self, tile: _Tile, bufs: list[torch.Tensor], grads=None) -> list:
+        """Start reading the tile's master and states into `bufs` (and, with swapped `grads`, its
+        gradient rows into the set's last buffer)."""
         n = tile.numel
         handles = [self.swap.read(tile.key, bufs[0][:n])]
         handles += [self.swap.read(tile.key, bufs[1 + i][:n], self._offset(1 + i)) for i in range(len(tile.states))]
+        if isinstance(grads, SwappedGrads) and grads.has(tile.master):
+            handles.append(grads.read_rows(tile.master, tile.first_element, bufs[-1][:n]))
         return handles
+
+    def _tile_grad(self, tile: _Tile, grads, gbuf: torch.Tensor | None) -> torch.Tensor:
+        """The tile's gradient [tile.shape]: a slice of grads[m], or (swapped) the rows read into
+        `gbuf` with the pending scales applied (zeros for a master no backward reached)."""
+        if not isinstance(grads, SwappedGrads):
+            return grads[tile.master][tile.rows[0]:tile.rows[1]]
+        g = gbuf[:tile.numel].view(tile.shape)
+        return grads.apply_scales(g) if grads.has(tile.master) else g.zero_()
 
     def _write(self, tile: _Tile, bufs: list[torch.Tensor]) -> list:
         n = tile.numel
@@ -150,18 +168,23 @@ class SwappedOptimizer:
         return handles
 
     # -- the step -----------------------------------------------------------------------------------
-    def step(self, grads: list[torch.Tensor], write_param: Callable[[int, tuple[int, int], torch.Tensor], None]) -> None:
-        """One optimizer step over every tile. grads[m]: the gradient of master m (its shape, any
-        device; already reduced, unscaled and clipped). write_param(m, rows, values): copy the updated
-        master rows `values` ([rows, ...] fp32, host) into the compute parameters."""
+    def step(self, grads, write_param: Callable[[int, tuple[int, int], torch.Tensor], None]) -> None:
+        """One optimizer step over every tile. grads: a list, grads[m] the gradient of master m (its
+        shape, any device; already reduced, unscaled and clipped), or a `SwappedGrads` holding them
+        on disk (each tile's rows are read with its master; its `scales` unscale and clip them).
+        write_param(m, rows, values): copy the updated master rows `values` ([rows, ...] fp32, host)
+        into the compute parameters."""
         if self.optimizer is None:
             raise RuntimeError("SwappedOptimizer.step() before build()")
+        if isinstance(grads, SwappedGrads):
+            grads.drain()
         if self._nstates is None:
             self._first_step(grads, write_param)
             return
-        sets = self._buffers(1 + self._nstates)
+        swapped = isinstance(grads, SwappedGrads)
+        sets = self._buffers(1 + self._nstates + swapped)
         writes: list[list] = [[] for _ in sets]
-        reads = self._read(self.tiles[0], sets[0]) if self.tiles else []
+        reads = self._read(self.tiles[0], sets[0], grads) if self.tiles else []
         for i, tile in enumerate(self.tiles):
             cur, nxt = i % len(sets), (i + 1) % len(sets)
             for h in reads:
@@ -171,9 +194,9 @@ class SwappedOptimizer:
                 for h in writes[nxt]:
                     h.wait()
                 writes[nxt] = []
-                reads = self._read(self.tiles[i + 1], sets[nxt])
+                reads = self._read(self.tiles[i + 1], sets[nxt], grads)
             self._bind(tile, sets[cur])
-            self._step_bound(tile, grads, write_param)
+            self._step_bound(tile, self._tile_grad(tile, grads, sets[cur][-1] if swapped else None), write_param)
             self._unbind(tile)
             writes[cur] += self._write(tile, sets[cur])
             if not self.pipeline:
@@ -181,7 +204,7 @@ class SwappedOptimizer:
                     h.wait()
                 writes[cur] = []
                 if i + 1 < len(self.tiles):
-                    reads = self._read(self.tiles[i + 1], sets[nxt])
+                    reads = self._read(self.tiles[i + 1], sets[nxt], grads)
         for hs in writes:
             for h in hs:
                 h.wait()
@@ -189,12 +212,15 @@ class SwappedOptimizer:
     def _first_step(self, grads, write_param) -> None:
         """The first step: torch creates the states; learn which are elementwise and write them out."""
         staging = aligned_empty(aligned_numel(self.max_tile, self.dtype), self.dtype)
+        gbuf = aligned_empty(self.max_tile, self.dtype) if isinstance(grads, SwappedGrads) else None
         counts = set()
         for tile in self.tiles:
             n = tile.numel
             self.swap.read(tile.key, staging[:n]).wait()
+            if gbuf is not None and grads.has(tile.master):
+                grads.read_rows(tile.master, tile.first_element, gbuf[:n]).wait()
             tile.param.data = staging[:n].view(tile.shape)
-            self._step_bound(tile, grads, write_param)
+            self._step_bound(tile, self._tile_grad(tile, grads, gbuf), write_param)
             state = self.optimizer.state[tile.param]
             tile.states = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == tile.shape)
             counts.add(len(tile.states))
@@ -220,9 +246,8 @@ class SwappedOptimizer:
         for name in tile.states:
             state[name] = self._placeholder
 
-    def _step_bound(self, tile: _Tile, grads, write_param) -> None:
+    def _step_bound(self, tile: _Tile, g: torch.Tensor, write_param) -> None:
         p = tile.param
-        g = grads[tile.master][tile.rows[0]:tile.rows[1]]
         p.grad = g if g.device == HOST and g.dtype == self.dtype else g.to(HOST, self.dtype)
         try:
             self.optimizer.step()

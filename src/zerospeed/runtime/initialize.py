@@ -210,7 +210,8 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
     mine = [r for r, h in enumerate(hosts) if h == hosts[dist.get_rank()]]
     return OffloadContext.create(opol, cfg.aio, rank=dist.get_rank(), local_ranks=len(mine),
                                  clear_stale_files=dist.get_rank() == mine[0], numel=numel,
-                                 world=dist.get_world_size(group), param_bytes=itemsize)
+                                 world=dist.get_world_size(group), param_bytes=itemsize,
+                                 stage=cfg.zero_optimization.stage)
 
 
 def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=None):

@@ -61,7 +61,8 @@ class ModelParallelGrads:
 def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
                   groups: Sequence[dist.ProcessGroup | None] = (), logger: CommsLogger | None = None,
                   replicated: Sequence[torch.Tensor] = (), replicas: int = 1,
-                  excluded: Sequence[torch.Tensor] = (), clip: Sequence[torch.Tensor] | None = None) -> float:
+                  excluded: Sequence[torch.Tensor] = (), clip: Sequence[torch.Tensor] | None = None,
+                  squares: torch.Tensor | None = None, on_clip=None) -> float:
     """Global gradient 2-norm; clip `grads` in place to `max_norm` if it is > 0 and the norm is finite.
 
     grads: this rank's part of the gradient (any shapes/strides/dtypes, one device; padding must be
@@ -77,6 +78,9 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     over that group each counts once (`ModelParallelGrads`). excluded: views (within `grads`) whose
     squares another rank counts (weight 0 here: a pipeline's tied weights). clip: the tensors to scale when
     clipping, if not `grads` themselves (stage 0 with experts norms its owned slices but clips whole gradients).
+    squares: the sum of squares (float64 [1]) of this rank's gradient parts that are not in memory
+    (ZeRO-Infinity's gradients on NVMe, `offload.SwappedGrads`), added to that of `grads`; on_clip:
+    called with the clip coefficient (0-d fp32 tensor) when clipping, to scale those parts.
 
     Algorithm: `sum_of_squares` (fp32 norms of 64K-element pieces, summed in float64), one 1-element
     all-reduce per group, sqrt; clip coefficient min(1, max_norm / (norm + 1e-6)) in fp32, as
@@ -87,6 +91,8 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
     group: every rank of it must call.
     """
     sq = sum_of_squares(grads)
+    if squares is not None:
+        sq += squares.to(sq.device)
     if replicas > 1 and replicated:  # views into `grads` that `replicas` ranks of the last group hold alike
         sq -= (1.0 - 1.0 / replicas) * sum_of_squares(list(replicated))
     if excluded:
@@ -95,7 +101,10 @@ def clip_and_norm(grads: list[torch.Tensor], max_norm: float, *,
         all_reduce(sq, group=group, logger=logger)
     norm = math.sqrt(float(sq))
     targets = list(grads if clip is None else clip)
-    if max_norm > 0 and targets and math.isfinite(norm):
+    if max_norm > 0 and (targets or on_clip is not None) and math.isfinite(norm):
         coef = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
-        torch._foreach_mul_(targets, coef.to(targets[0].device))
+        if targets:
+            torch._foreach_mul_(targets, coef.to(targets[0].device))
+        if on_clip is not None:
+            on_clip(coef)
     return norm

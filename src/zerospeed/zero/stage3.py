@@ -28,6 +28,7 @@ from ..comm.collectives import GroupCollectives
 from ..comm.logger import CommsLogger
 from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
+from ..offload.grads import SwappedGrads
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
@@ -91,6 +92,9 @@ class Stage3Strategy(ZeroStrategy):
         named = dict(module.named_parameters())
         self.offload = offload
         self.swapped, self.param_swapper = self._build_offload(offload, optimizer, named)
+        # ZeRO-Infinity: with the optimizer tier on NVMe the fp32 gradients go there too, as produced
+        self.grad_store = SwappedGrads(offload.swaps["optimizer"], dtype=policy.master_dtype) \
+            if self.swapped is not None else None
         trainable = [(named[n], n) for plan in self.plans for n in plan.params]
         self._group_of = dict(zip((id(p) for p, _ in trainable), group_index(
             optimizer, [p for p, _ in trainable], [n for _, n in trainable]))) if optimizer is not None else {}
@@ -109,6 +113,7 @@ class Stage3Strategy(ZeroStrategy):
                                                                             [u.layout.shard_numel])]
                 u.master_store, u.master_index = self.swapped, self.swapped.add_master(u.shard.detach(),
                                                                                        ranges=ranges or None)
+                u.grad_store = self.grad_store
                 u.shard.untyped_storage().resize_(0)
             self.units.append(u)
         self._swapped_units = [u for u in self.units if u.master_store is not None]
@@ -285,7 +290,23 @@ class Stage3Strategy(ZeroStrategy):
         grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.numel()]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        return self._norm(grads, max_norm, (self.group,))
+        swapped = {}
+        if self.grad_store is not None:  # on NVMe: the squares were summed as written; scaling waits for the step
+            store = self.grad_store
+            squares = store.total_squares()
+            if loss_scale != 1.0:
+                store.scale_(1.0 / loss_scale)
+                squares = squares / loss_scale ** 2
+            swapped = {"squares": squares, "on_clip": store.scale_}
+        return self._norm(grads, max_norm, (self.group,), **swapped)
+
+    def unit_grad(self, u: ShardedUnit) -> torch.Tensor | None:
+        """Unit u's fp32 shard gradient [shard_numel] (read back, scaled, if it is on NVMe), or None."""
+        if u.grad_store is None:
+            u.materialize_grad()
+            return u.shard.grad
+        g = u.grad_store.read(u.master_index, u.layout.shard_numel)
+        return None if g is None else u.grad_store.apply_scales(g)
 
     def managed_for_norm(self) -> list[torch.Tensor]:
         return self.managed_parameters()
@@ -294,8 +315,11 @@ class Stage3Strategy(ZeroStrategy):
         """Parameters with inf/nan in any rank's gradient shard (first `limit`, in unit order). Collective."""
         local = []
         self._materialize_grads()
+        bad = set(self.grad_store.nonfinite()) if self.grad_store is not None else set()
         for u in self.units:
-            g = u.shard.grad
+            if u.grad_store is not None and u.master_index not in bad:
+                continue
+            g = self.unit_grad(u)
             if g is None or bool(torch.isfinite(g).all()):
                 continue
             start = u.layout.rank_range(self.rank)[0]
@@ -317,9 +341,7 @@ class Stage3Strategy(ZeroStrategy):
             return
         self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
-            self.swapped.step([u.shard.grad if u.shard.grad is not None else  # a unit no backward reached
-                               torch.zeros(u.layout.shard_numel, dtype=u.master_dtype, device=u.shard.device)
-                               for u in self._swapped_units], self._write_tile)
+            self.swapped.step(self.grad_store, self._write_tile)
         else:
             self.bind_segments()
             self.optimizer.step()
@@ -334,6 +356,8 @@ class Stage3Strategy(ZeroStrategy):
             u.shard.grad = u.lp_grad = None
             for sp in u.params:
                 sp.param.grad = None
+        if self.grad_store is not None:
+            self.grad_store.clear()
 
     # -- accounting and teardown ----------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
@@ -349,6 +373,8 @@ class Stage3Strategy(ZeroStrategy):
                     if g is not None)
         grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
                      if sp.param.grad is not None)
+        if self.grad_store is not None:  # NVMe: only the gradients still being written are in memory
+            grads += self.grad_store.inflight_bytes()
         masters = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.has_master)
         states = _optimizer_state_bytes(self.optimizer)
         if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)

@@ -41,8 +41,7 @@ def refresh_params_from_master(s) -> None:
 def reduced_grad_pieces(s, sp: ShardedParam) -> list[tuple[int, int, torch.Tensor]] | None:
     """`sp`'s elements of its unit's fp32 shard gradient (materialized first), or None if it has none."""
     unit = sp.unit
-    unit.materialize_grad()
-    g = unit.shard.grad
+    g = s.unit_grad(unit)
     if g is None:
         return None
     lo, hi = unit.layout.param_shard_range(sp.index, s.rank)

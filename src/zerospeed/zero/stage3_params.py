@@ -29,6 +29,7 @@ from torch import nn
 
 from ..comm.collectives import GroupCollectives
 from ..comm.ops import CommHandle
+from .clipping import sum_of_squares
 from .partition import FlatPartition, plan_one_chunk
 
 
@@ -180,6 +181,8 @@ class ShardedUnit:
             kept = self.swapper.add(index, self.lp_shard)
             self.lp_shard = kept if kept is not None else self.placeholder
         self.master_store = None  # a SwappedOptimizer holding the master (NVMe), set by the strategy
+        self.master_index = -1  # the master's index in master_store (and grad_store)
+        self.grad_store = None  # a SwappedGrads holding the fp32 gradient (NVMe), set by the strategy
         self.lp_grad: torch.Tensor | None = None  # a reduced bf16/fp16 gradient not yet in shard.grad
         self._lp_grad_post = 1.0
         self.status = ParamStatus.GATHERED
@@ -262,6 +265,9 @@ class ShardedUnit:
         element: the paper's 2Ψ/N gradient partition) until `materialize_grad` turns it into the fp32
         `shard.grad` at the step; a second micro-step does that first and adds into the fp32
         accumulator, divided in fp32 (the same roundings either way)."""
+        if self.grad_store is not None:
+            self._accumulate_swapped(reduced, post)
+            return
         owned = reduced.device != self.shard.device
         if owned:  # optimizer offload: the gradient goes down to the host
             reduced = reduced.to(self.shard.device, non_blocking=True)
@@ -278,6 +284,31 @@ class ShardedUnit:
             if post != 1.0:
                 reduced.div_(post)
             grad.add_(reduced)
+
+    def _accumulate_swapped(self, reduced: torch.Tensor, post: float) -> None:
+        """`accumulate` with the gradient on NVMe (`grad_store`, a `SwappedGrads`): the first micro-step
+        computes the fp32 gradient into an aligned buffer with the same operations as the in-memory
+        path (a 2-byte `reduced`: converted, then times 1/post, as `materialize_grad`; fp32: divided by
+        post), a later one reads it back and adds; then it is written out with its sum of squares."""
+        m, n, store = self.master_index, self.layout.shard_numel, self.grad_store
+        grad = store.read(m, n)
+        if grad is None:
+            grad = store.buffer(n)
+            if reduced.dtype != self.master_dtype:
+                grad.copy_(reduced)
+                grad.mul_(1.0 / post)
+            elif post != 1.0:
+                torch.div(reduced.to(grad.device), post, out=grad)
+            else:
+                grad.copy_(reduced)
+        elif reduced.dtype != grad.dtype:
+            grad.add_(reduced.to(grad.device), alpha=1.0 / post)
+        else:
+            reduced = reduced.to(grad.device)  # the bucket's slice (scratch) or a host copy: divided in place
+            if post != 1.0:
+                reduced.div_(post)
+            grad.add_(reduced)
+        store.write(m, grad, sum_of_squares([grad]))
 
     def materialize_grad(self) -> None:
         """Turn a kept low-precision gradient (`lp_grad`) into the fp32 `shard.grad` (times 1/post)."""

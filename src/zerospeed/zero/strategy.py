@@ -61,20 +61,22 @@ class ZeroStrategy(abc.ABC):
     # tensor parallelism: how the gradient is split over the model-parallel group (set by build_strategy)
     model_parallel: ModelParallelGrads | None = None
 
-    def _norm(self, grads: list[torch.Tensor], max_norm: float, groups: tuple, clip=None) -> float:
+    def _norm(self, grads: list[torch.Tensor], max_norm: float, groups: tuple, clip=None, **swapped) -> float:
         """`clip_and_norm` of this rank's gradient parts `grads` (disjoint over `groups`), with the
         tensor-parallel group appended and the replicated parameters' pieces (`reduced_grad_pieces`)
-        counted once when `model_parallel` is set. clip: what to scale, if not `grads`."""
+        counted once when `model_parallel` is set. clip: what to scale, if not `grads`. swapped:
+        `squares` / `on_clip` of the parts on NVMe (`clip_and_norm`)."""
         mp = self.model_parallel
         if mp is None or mp.size == 1:
-            return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None), clip=clip)
+            return clip_and_norm(grads, max_norm, groups=groups, logger=getattr(self, "logger", None), clip=clip,
+                                 **swapped)
         replicated, excluded = [], []
         for p in self.managed_for_norm():
             if (id(p) in mp.replicated or id(p) in mp.excluded) and (where := self.locate(p)) is not None:
                 pieces = [t for _, _, t in self.reduced_grad_pieces(where[0]) or []]
                 (replicated if id(p) in mp.replicated else excluded).extend(pieces)
         return clip_and_norm(grads, max_norm, groups=(*groups, mp.group), logger=getattr(self, "logger", None),
-                             replicated=replicated, replicas=mp.size, excluded=excluded, clip=clip)
+                             replicated=replicated, replicas=mp.size, excluded=excluded, clip=clip, **swapped)
 
     def managed_for_norm(self) -> list[torch.Tensor]:
         """The trainable parameters whose gradients this strategy norms (default `self.params`)."""

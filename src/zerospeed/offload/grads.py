@@ -1,0 +1,118 @@
+"""ZeRO-Infinity's gradient tier: each master's fp32 gradient written to NVMe as it is produced.
+
+ZeRO-Infinity, Rajbhandari et al. 2021, §5.1: with the optimizer states on NVMe, the gradient
+partition (4 bytes x Ψ/N per rank in fp32) is the last model state whose size grows with the model
+and still sits in host memory between the backward and the step. DeepSpeed swaps the fp32 gradients
+of each sub-group out into the optimizer's swap files (`swap_out_gradients`) and reads them back
+tile by tile during the step; so do we. A stage-3 unit's gradient is written the moment its
+reduce-scatter finished (at every micro-step: a later micro-step reads it back, adds and writes it
+again), and the optimizer step reads each tile's rows next to its master and states.
+
+What stays in memory: the gradients being written (at most `max_inflight` bytes plus one master's
+gradient: the oldest write is waited for beyond that) and one 8-byte sum of squares per master for
+the global norm (computed by the caller, `zero.clipping.sum_of_squares`, when it writes), so
+clipping never reads the gradients back. The clip coefficient and the loss-scale division are kept
+as `scales` and applied to each tile when the step reads it, in the order the in-memory path applies
+them (the same fp32 roundings).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .aio import IOHandle, aligned_empty
+from .swap import SwapSpace
+
+__all__ = ["SwappedGrads"]
+
+
+class SwappedGrads:
+    """fp32 gradients of the masters (keyed by master index m) in `swap`, one file per master.
+
+    dtype: the gradients' dtype (the masters', fp32). max_inflight: bytes of gradients whose write may
+    still be running (the buffers stay alive until then); default 256 MiB.
+    """
+
+    def __init__(self, swap: SwapSpace, *, dtype: torch.dtype = torch.float32, max_inflight: int = 256 << 20):
+        self.swap, self.dtype, self.max_inflight = swap, dtype, max_inflight
+        self.squares: dict[int, torch.Tensor] = {}  # m -> sum of squares of its current gradient (float64 [1])
+        self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()
+        self.scales: list = []  # multipliers (float or 0-d tensor) applied in order when the step reads a tile
+        self.bytes_written = 0
+
+    @staticmethod
+    def key(m: int) -> str:
+        return f"grad_m{m}"
+
+    def buffer(self, numel: int) -> torch.Tensor:
+        """An aligned host buffer [numel] to compute a gradient into before `write` (O_DIRECT)."""
+        return aligned_empty(numel, self.dtype)
+
+    def has(self, m: int) -> bool:
+        """Master m has a gradient this step (written since the last `clear`)."""
+        return m in self.squares
+
+    def write(self, m: int, grad: torch.Tensor, squares: torch.Tensor) -> None:
+        """Start writing master m's whole gradient `grad` (1-D host tensor of the master's numel, from
+        `buffer()`; not to be modified until written) with its sum of squares `squares`."""
+        self._wait(m)
+        self.squares[m] = squares
+        self.writes[m] = (self.swap.write(self.key(m), grad), grad)
+        self.bytes_written += grad.numel() * grad.element_size()
+        while len(self.writes) > 1 and self.inflight_bytes() > self.max_inflight:
+            self._wait(next(iter(self.writes)))
+
+    def read(self, m: int, numel: int) -> torch.Tensor | None:
+        """Master m's gradient as a fresh host tensor [numel] (read now, unscaled), or None if it has none."""
+        if not self.has(m):
+            return None
+        self._wait(m)
+        out = self.buffer(numel)
+        self.swap.read(self.key(m), out).wait()
+        return out
+
+    def read_rows(self, m: int, start: int, into: torch.Tensor) -> IOHandle:
+        """Start reading master m's gradient elements [start, start + into.numel()) into `into` (a
+        buffer view). The caller checks `has(m)` first."""
+        self._wait(m)
+        return self.swap.read(self.key(m), into, start * into.element_size())
+
+    def total_squares(self) -> torch.Tensor:
+        """Sum of squares of every gradient written since `clear` (float64 [1]; inf/nan if any is)."""
+        out = torch.zeros(1, dtype=torch.float64)
+        for sq in self.squares.values():
+            out += sq.to(out.device)
+        return out
+
+    def nonfinite(self) -> list[int]:
+        """Masters whose gradient has inf/nan."""
+        return [m for m, sq in self.squares.items() if not bool(torch.isfinite(sq).all())]
+
+    def scale_(self, factor) -> None:
+        """Multiply every gradient by `factor` (applied lazily: `apply_scales` when the step reads)."""
+        self.scales.append(factor)
+
+    def apply_scales(self, grad: torch.Tensor) -> torch.Tensor:
+        for f in self.scales:
+            grad.mul_(f.to(grad.device) if torch.is_tensor(f) else f)
+        return grad
+
+    def inflight_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for _, g in self.writes.values())
+
+    def drain(self) -> None:
+        """Wait for every write."""
+        for m in list(self.writes):
+            self._wait(m)
+
+    def clear(self) -> None:
+        """Forget this step's gradients (the files stay, to be overwritten): zero_grad."""
+        self.drain()
+        self.squares.clear()
+        self.scales.clear()
+
+    def _wait(self, m: int) -> None:
+        entry = self.writes.pop(m, None)
+        if entry is not None:
+            entry[0].wait()
