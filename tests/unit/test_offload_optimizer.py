@@ -129,8 +129,11 @@ def test_policy_from_config_and_unsupported_keys():
         zerospeed.initialize(model=model, config={"train_batch_size": 1, "zero_optimization": partial})
     with pytest.raises(NotImplementedError, match="use_gds"):
         zerospeed.initialize(model=model, config={"train_batch_size": 1, "aio": {"use_gds": True}})
-    with pytest.raises(ValueError, match="offload_param.device"):
-        zerospeed.zero.Init(remote_device="cpu")
+    with pytest.raises(ValueError, match="use None, 'cpu' or 'nvme'"):
+        zerospeed.zero.Init(remote_device="disk")
+    for cfg in (None, {"zero_optimization": {"offload_param": {"device": "cpu"}}}):
+        with pytest.raises(ValueError, match="offload_param.nvme_path"):
+            zerospeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg)
 
 
 def test_param_swapper_beyond_the_pool(swap):

@@ -8,8 +8,7 @@ tile by tile during the step; so do we. A stage-3 unit's gradient is written the
 reduce-scatter finished (at every micro-step: a later micro-step reads it back, adds and writes it
 again), and the optimizer step reads each tile's rows next to its master and states.
 
-What stays in memory: the gradients being written (at most `max_inflight` bytes plus one master's
-gradient: the oldest write is waited for beyond that) and one 8-byte sum of squares per master for
+What stays in memory: the gradient being written (one master's; `max_inflight` allows more) and one 8-byte sum of squares per master for
 the global norm (computed by the caller, `zero.clipping.sum_of_squares`, when it writes), so
 clipping never reads the gradients back. The clip coefficient and the loss-scale division are kept
 as `scales` and applied to each tile when the step reads it, in the order the in-memory path applies
@@ -30,11 +29,13 @@ __all__ = ["SwappedGrads"]
 class SwappedGrads:
     """fp32 gradients of the masters (keyed by master index m) in `swap`, one file per master.
 
-    dtype: the gradients' dtype (the masters', fp32). max_inflight: bytes of gradients whose write may
-    still be running (the buffers stay alive until then); default 256 MiB.
+    dtype: the gradients' dtype (the masters', fp32). max_inflight: bytes of older gradients whose write
+    may still be running besides the newest one (their buffers stay alive until then); default 0: the
+    previous write is waited for when the next one starts (the backward of one unit hides the write
+    of the one before it).
     """
 
-    def __init__(self, swap: SwapSpace, *, dtype: torch.dtype = torch.float32, max_inflight: int = 256 << 20):
+    def __init__(self, swap: SwapSpace, *, dtype: torch.dtype = torch.float32, max_inflight: int = 0):
         self.swap, self.dtype, self.max_inflight = swap, dtype, max_inflight
         self.squares: dict[int, torch.Tensor] = {}  # m -> sum of squares of its current gradient (float64 [1])
         self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()

@@ -102,6 +102,17 @@ class SwapSpace:
         """True once a write of `key` was submitted (and until close())."""
         return self.file(key).exists()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def remove(self, key: str) -> None:
+        """Delete the file of `key` (its requests must be finished: wait for their handles first), so the
+        disk space is free at once. No-op if there is none."""
+        path = self._live_file(key)
+        self.aio.close_file(path)
+        path.unlink(missing_ok=True)
+
     def bytes_on_disk(self) -> int:
         """Sum of the sizes of the swap files (OWNER.json excluded), in bytes; 0 after close()."""
         return sum(p.stat().st_size for p in self.path.glob("*.swp")) if self.path.exists() else 0

@@ -326,7 +326,10 @@ class ZeroSpeedEngine(nn.Module):
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
-        """Remove hooks and release gradient buckets; the process group is left to the caller."""
+        """Remove hooks and release gradient buckets; the process group is left to the caller. At ZeRO
+        stage 3 the parameters get their full values back, except with `offload_param` on NVMe (the
+        model may be larger than RAM; its swap files are removed): they are left empty, as DeepSpeed
+        leaves them partitioned, so save the model before."""
         self.strategy.remove()
         self.telemetry.close()
         if getattr(self, "offload", None) is not None:  # swap files are removed with the engine

@@ -415,14 +415,20 @@ class Stage3Strategy(ZeroStrategy):
         return self._state_dict_hooks.consolidated(rank=rank)
 
     def remove(self) -> None:
-        """Remove every hook and give each parameter its full value back (a plain module again). Collective."""
+        """Remove every hook and give each parameter its full value back (a plain module again). Collective.
+        With the parameter shards on NVMe (ZeRO-Infinity: the model may not fit in RAM) the parameters
+        are left empty instead, as DeepSpeed leaves them partitioned: save the model first
+        (`save_16bit_model`, `save_checkpoint`, `consolidated_state_dict`)."""
         self.scheduler.remove()
         self._state_dict_hooks.remove()
         ctx.unregister_strategy(self)
+        whole = self.param_swapper is None
         for u in self.units:
-            self.scheduler.gather(u)
+            if whole:
+                self.scheduler.gather(u)
             for sp in u.params:
-                sp.param.data = sp.view.clone()
+                sp.param.data = sp.view.clone() if whole else torch.empty(0, dtype=sp.view.dtype,
+                                                                           device=sp.view.device)
                 sp.param.grad = None
             u.full.untyped_storage().resize_(0)
         self.units = []

@@ -29,6 +29,7 @@ model (`partitioned_parameters(model)` lists what is partitioned).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -134,10 +135,15 @@ class Init:
 
     data_parallel_group: ranks to partition over (default: the world). enabled=False: a no-op.
     module: the function form `Init(module=model)` partitions an existing model's sub-modules now.
-    dtype must be None or torch.float32 and remote_device None or "none" (parameter offload is set by
-    `offload_param` in the config); other DeepSpeed arguments are accepted and ignored. Creates the
+    remote_device: None / "none" / "cpu" keep each rank's slices in memory (on this machine the host;
+    `offload_param` in the config decides where `zerospeed.initialize` then puts them); "nvme" writes
+    every slice as soon as it is cut to `zero_optimization.offload_param.nvme_path` of
+    `config_dict_or_path` (dict or JSON path) and reads it back when used, so a model whose fp32 slices
+    do not fit in RAM can be built (ZeRO-Infinity, Rajbhandari et al. 2021, §5; `stage3_init_spill`).
+    dtype must be None or torch.float32; other DeepSpeed arguments are accepted and ignored. Creates the
     default process group (`zerospeed.init_distributed()`, from torchrun's / SLURM's environment) if
-    none exists, as DeepSpeed does. Raises ValueError for an unsupported dtype / remote_device.
+    none exists, as DeepSpeed does. Raises ValueError for an unsupported dtype / remote_device or a
+    remote_device="nvme" without the config key; OffloadResourceError for an unusable directory.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear=True,
@@ -145,17 +151,25 @@ class Init:
                  enabled: bool = True, dtype=None, mpu=None, **ignored):
         if dtype not in (None, torch.float32):
             raise ValueError(f"zerospeed.zero.Init(dtype={dtype}): only fp32 is supported for now")
-        if remote_device not in (None, "none"):
-            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}) is not supported: Init partitions "
-                             "on the compute device; set zero_optimization.offload_param.device in the config and "
-                             "zerospeed.initialize moves each rank's shards there")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zerospeed.zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme' "
+                             "(DeepSpeed's values)")
         self.group, self.enabled = data_parallel_group, enabled
         self._hooks: list = []
         self._guard = None
+        self._spill = None
+        if remote_device == "nvme" and enabled:
+            from .stage3_init_spill import InitSpill, nvme_path_from_config
+
+            path = nvme_path_from_config(config_dict_or_path, config)
+            _ensure_dist()
+            self._spill = InitSpill(path, rank=dist.get_rank())
         if module is not None and enabled:
             _ensure_dist()
             for child in module.children():
                 self._attach(module, "", child)
+            if self._spill is not None:
+                self._spill.detach()
 
     def _attach(self, parent, name, child) -> None:
         """Module registration hook: partition the parameters of `child` built outside the context."""
@@ -165,7 +179,7 @@ class Init:
         for m in child.modules():
             for p in m._parameters.values():
                 if eligible(p):
-                    register(p, self.group, m)
+                    register(p, self.group, m, self._spill)
                     new = True
         if new:
             settle()
@@ -176,7 +190,7 @@ class Init:
         if _INTERNAL[0] or param is None or not eligible(param):
             return None
         settle(keep_owners=(module,))
-        register(param, self.group, module)
+        register(param, self.group, module, self._spill)
         return None
 
     def __enter__(self) -> Init:
@@ -201,3 +215,5 @@ class Init:
             for h in self._hooks:
                 h.remove()
             self._guard, self._hooks = None, []
+            if self._spill is not None:
+                self._spill.detach()  # its files go once the strategy took every slice

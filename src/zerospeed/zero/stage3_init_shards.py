@@ -46,7 +46,9 @@ _TRANSITIONS = {(ShardState.TOUCHED, ShardState.SHARDED), (ShardState.SHARDED, S
 @dataclass
 class InitShard:
     """One parameter partitioned by Init. shape / numel: the full parameter's; local: this rank's
-    zero-padded slice [ceil(numel / N)] (None while TOUCHED); owner: the module it was registered on."""
+    zero-padded slice [ceil(numel / N)] (None while TOUCHED, or while it is on NVMe); owner: the module
+    it was registered on; spill: the `InitSpill` its slice is written to (remote_device="nvme"), whose
+    key `spilled` names it while it is there; dtype / device: the slice's."""
 
     shape: torch.Size
     numel: int
@@ -54,6 +56,10 @@ class InitShard:
     owner: weakref.ref | None = None
     local: torch.Tensor | None = None
     state: ShardState = ShardState.TOUCHED
+    spill: object = None
+    spilled: str | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
 
     @property
     def gathered(self) -> bool:
@@ -66,6 +72,7 @@ class InitShard:
 
 
 _SHARDS: dict[int, tuple[weakref.ref, InitShard]] = {}  # id(param) -> (weak reference, shard)
+_SPILL_IDS = iter(range(1 << 62))  # keys of spilled slices (an id() may be reused after a parameter dies)
 _TOUCHED: dict[int, nn.Parameter] = {}  # TOUCHED parameters (full on every rank), in touch order
 _INTERNAL = [0]  # > 0 while our own code touches parameters (the Init guard lets it through)
 
@@ -104,9 +111,11 @@ def eligible(param) -> bool:
             and param.numel() > 0
 
 
-def register(param: nn.Parameter, group, owner: nn.Module | None) -> InitShard:
-    """Start partitioning `param` (its full value stays until the next `settle`). Local, no collective."""
-    st = InitShard(param.shape, param.numel(), group, weakref.ref(owner) if owner is not None else None)
+def register(param: nn.Parameter, group, owner: nn.Module | None, spill=None) -> InitShard:
+    """Start partitioning `param` (its full value stays until the next `settle`). Local, no collective.
+    spill: an `InitSpill` to keep its slice in (NVMe) instead of memory."""
+    st = InitShard(param.shape, param.numel(), group, weakref.ref(owner) if owner is not None else None,
+                   spill=spill)
     key = id(param)
     _SHARDS[key] = (weakref.ref(param), st)
     weakref.finalize(param, _forget, key)
@@ -115,7 +124,35 @@ def register(param: nn.Parameter, group, owner: nn.Module | None) -> InitShard:
 
 
 def _forget(key: int) -> None:
-    _SHARDS.pop(key, None)
+    entry = _SHARDS.pop(key, None)
+    if entry is not None:
+        _discard(entry[1])
+
+
+def _store(st: InitShard, local: torch.Tensor) -> None:
+    """Keep `local` as the shard's slice: in memory, or written to its spill."""
+    st.dtype, st.device = local.dtype, local.device
+    if st.spill is None:
+        st.local = local
+        return
+    st.spilled = f"init_{next(_SPILL_IDS)}"
+    st.spill.put(st.spilled, local)
+    st.local = None
+
+
+def _load(st: InitShard) -> torch.Tensor:
+    """The shard's slice (read back from its spill if it is there)."""
+    if st.spilled is None:
+        return st.local
+    return st.spill.get(st.spilled).to(st.device)
+
+
+def _discard(st: InitShard) -> None:
+    """Forget the shard's slice (delete its spilled file)."""
+    st.local = None
+    if st.spilled is not None:
+        st.spill.drop(st.spilled)
+        st.spilled = None
 
 
 def _cut(value: torch.Tensor, group, src: int) -> torch.Tensor:
@@ -140,8 +177,9 @@ def _cut(value: torch.Tensor, group, src: int) -> torch.Tensor:
 
 def _full(st: InitShard) -> torch.Tensor:
     world = dist.get_world_size(st.group)
-    out = torch.empty(st.local.numel() * world, dtype=st.local.dtype, device=st.local.device)
-    start_all_gather(out, st.local, group=st.group).wait()
+    local = _load(st)
+    out = torch.empty(local.numel() * world, dtype=local.dtype, device=local.device)
+    start_all_gather(out, local, group=st.group).wait()
     return out[:st.numel].view(st.shape)
 
 
@@ -166,7 +204,7 @@ def settle(keep_owners: tuple = ()) -> None:
                 continue
             value = param.data  # the op may have replaced it (`p.data = x`): take its shape from the value
             st.shape, st.numel = value.shape, value.numel()
-            st.local = _cut(value, st.group, 0)
+            _store(st, _cut(value, st.group, 0))
             st.to(ShardState.SHARDED)
             param.data = _empty_like_param(value)
             del _TOUCHED[key]
@@ -187,10 +225,10 @@ def touch(param: nn.Parameter, overwrite: bool) -> None:
     st = init_shard(param)
     with internal(), torch.no_grad():
         if overwrite:
-            param.data = torch.empty(st.shape, dtype=st.local.dtype, device=st.local.device)
+            param.data = torch.empty(st.shape, dtype=st.dtype, device=st.device)
         else:
             param.data = _full(st)
-    st.local = None
+    _discard(st)
     st.to(ShardState.TOUCHED)
     _TOUCHED[id(param)] = param
 
@@ -199,7 +237,7 @@ def replaced(param: nn.Parameter) -> None:
     """`param.data` was assigned a full value while SHARDED: it is TOUCHED now. Local, no collective."""
     st = init_shard(param)
     if st is not None and st.state is ShardState.SHARDED:
-        st.local = None
+        _discard(st)
         st.to(ShardState.TOUCHED)
         _TOUCHED[id(param)] = param
 
@@ -212,7 +250,9 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     settle()
     entry = _SHARDS.pop(id(param))
     st = entry[1]
-    return param.data if st.state is ShardState.GATHERED else _full(st)
+    value = param.data if st.state is ShardState.GATHERED else _full(st)
+    _discard(st)
+    return value
 
 
 def gather(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -243,6 +283,7 @@ def release(params: list[nn.Parameter], modifier_rank: int | None) -> None:
             if modifier_rank is not None:
                 value = p.data
                 st.shape, st.numel = value.shape, value.numel()
-                st.local = _cut(value, st.group, modifier_rank)
+                _discard(st)
+                _store(st, _cut(value, st.group, modifier_rank))
             st.to(ShardState.SHARDED)
             p.data = _empty_like_param(p.data)
