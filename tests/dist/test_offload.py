@@ -128,6 +128,9 @@ def test_offload_memory_and_disk(results):
         # parameters on NVMe too: files hold 12 (optimizer) + 4 (fp32 gradient, stage 3) + 4 (parameter
         # shard) bytes per element
         assert 20 * psi // 2 <= both["disk"] <= 20 * psi // 2 * 1.25
+        # bf16: the parameter shard and the (one micro-step) gradient are 2 bytes per element on disk
+        bf = res[rank]["s3-nvme-params-nvme-bf16"]
+        assert 16 * psi // 2 <= bf["disk"] <= 16 * psi // 2 * 1.25
 
 
 def test_stale_swap_files_cleared(tmp_path):

@@ -6,7 +6,10 @@ and still sits in host memory between the backward and the step. DeepSpeed swaps
 of each sub-group out into the optimizer's swap files (`swap_out_gradients`) and reads them back
 tile by tile during the step; so do we. A stage-3 unit's gradient is written the moment its
 reduce-scatter finished (at every micro-step: a later micro-step reads it back, adds and writes it
-again), and the optimizer step reads each tile's rows next to its master and states.
+again), and the optimizer step reads each tile's rows next to its master and states. Under bf16/fp16
+the first micro-step's gradient is written as it was reduced, in 2 bytes per element (with its
+divisor `post`), and turned into fp32 when read, as the in-memory path keeps it until the step: half
+the gradient I/O and disk (the paper's 2Ψ/N gradient partition) and the same numbers.
 
 What stays in memory: the gradient being written (one master's; `max_inflight` allows more) and one 8-byte sum of squares per master for
 the global norm (computed by the caller, `zero.clipping.sum_of_squares`, when it writes), so
@@ -38,6 +41,7 @@ class SwappedGrads:
     def __init__(self, swap: SwapSpace, *, dtype: torch.dtype = torch.float32, max_inflight: int = 0):
         self.swap, self.dtype, self.max_inflight = swap, dtype, max_inflight
         self.squares: dict[int, torch.Tensor] = {}  # m -> sum of squares of its current gradient (float64 [1])
+        self.low: dict[int, tuple[torch.dtype, float]] = {}  # m -> (2-byte dtype, post) of a gradient stored so
         self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()
         self.scales: list = []  # multipliers (float or 0-d tensor) applied in order when the step reads a tile
         self.bytes_written = 0
@@ -46,19 +50,24 @@ class SwappedGrads:
     def key(m: int) -> str:
         return f"grad_m{m}"
 
-    def buffer(self, numel: int) -> torch.Tensor:
-        """An aligned host buffer [numel] to compute a gradient into before `write` (O_DIRECT)."""
-        return aligned_empty(numel, self.dtype)
+    def buffer(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An aligned host buffer [numel] (default dtype: fp32) to compute a gradient into before `write`."""
+        return aligned_empty(numel, dtype or self.dtype)
 
     def has(self, m: int) -> bool:
         """Master m has a gradient this step (written since the last `clear`)."""
         return m in self.squares
 
-    def write(self, m: int, grad: torch.Tensor, squares: torch.Tensor) -> None:
+    def write(self, m: int, grad: torch.Tensor, squares: torch.Tensor, post: float | None = None) -> None:
         """Start writing master m's whole gradient `grad` (1-D host tensor of the master's numel, from
-        `buffer()`; not to be modified until written) with its sum of squares `squares`."""
+        `buffer()`; not to be modified until written) with its sum of squares `squares` (of its fp32
+        value). post: `grad` is a 2-byte gradient whose value is grad.float() x (1 / post)."""
         self._wait(m)
         self.squares[m] = squares
+        if post is None:
+            self.low.pop(m, None)
+        else:
+            self.low[m] = (grad.dtype, post)
         self.writes[m] = (self.swap.write(self.key(m), grad), grad)
         self.bytes_written += grad.numel() * grad.element_size()
         while len(self.writes) > 1 and self.inflight_bytes() > self.max_inflight:
@@ -68,16 +77,20 @@ class SwappedGrads:
         """Master m's gradient as a fresh host tensor [numel] (read now, unscaled), or None if it has none."""
         if not self.has(m):
             return None
-        self._wait(m)
         out = self.buffer(numel)
-        self.swap.read(self.key(m), out).wait()
+        self.read_rows(m, 0, out).wait()
         return out
 
-    def read_rows(self, m: int, start: int, into: torch.Tensor) -> IOHandle:
-        """Start reading master m's gradient elements [start, start + into.numel()) into `into` (a
-        buffer view). The caller checks `has(m)` first."""
+    def read_rows(self, m: int, start: int, into: torch.Tensor):
+        """Start reading master m's gradient elements [start, start + into.numel()) into `into` (an fp32
+        buffer view); returns a handle whose wait() leaves the fp32 values there (a 2-byte gradient is
+        read into a staging buffer and converted). The caller checks `has(m)` first."""
         self._wait(m)
-        return self.swap.read(self.key(m), into, start * into.element_size())
+        if m not in self.low:
+            return self.swap.read(self.key(m), into, start * into.element_size())
+        dtype, post = self.low[m]
+        stage = aligned_empty(into.numel(), dtype)
+        return _Widen(self.swap.read(self.key(m), stage, start * stage.element_size()), stage, into, post)
 
     def total_squares(self) -> torch.Tensor:
         """Sum of squares of every gradient written since `clear` (float64 [1]; inf/nan if any is)."""
@@ -111,9 +124,25 @@ class SwappedGrads:
         """Forget this step's gradients (the files stay, to be overwritten): zero_grad."""
         self.drain()
         self.squares.clear()
+        self.low.clear()
         self.scales.clear()
 
     def _wait(self, m: int) -> None:
         entry = self.writes.pop(m, None)
         if entry is not None:
             entry[0].wait()
+
+
+class _Widen:
+    """A read of a 2-byte gradient into `stage`; wait() converts it into the fp32 `into`, times 1/post
+    (`ShardedUnit.materialize_grad`'s operations)."""
+
+    def __init__(self, handle: IOHandle, stage: torch.Tensor, into: torch.Tensor, post: float):
+        self.handle, self.stage, self.into, self.post = handle, stage, into, post
+
+    def wait(self) -> None:
+        if self.stage is not None:
+            self.handle.wait()
+            self.into.copy_(self.stage)
+            self.into.mul_(1.0 / self.post)
+            self.stage = None

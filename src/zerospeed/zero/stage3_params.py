@@ -287,17 +287,20 @@ class ShardedUnit:
 
     def _accumulate_swapped(self, reduced: torch.Tensor, post: float) -> None:
         """`accumulate` with the gradient on NVMe (`grad_store`, a `SwappedGrads`): the first micro-step
-        computes the fp32 gradient into an aligned buffer with the same operations as the in-memory
-        path (a 2-byte `reduced`: converted, then times 1/post, as `materialize_grad`; fp32: divided by
-        post), a later one reads it back and adds; then it is written out with its sum of squares."""
+        writes a 2-byte `reduced` as it is (with `post`: the store converts it as `materialize_grad`
+        does when it is read) or an fp32 one divided by post; a later one reads it back in fp32, adds
+        (the in-memory path's operations) and writes fp32. Each write carries its sum of squares."""
         m, n, store = self.master_index, self.layout.shard_numel, self.grad_store
         grad = store.read(m, n)
+        if grad is None and reduced.dtype != self.master_dtype:  # kept in 2 bytes, as `lp_grad` in memory
+            low = store.buffer(n, reduced.dtype)
+            low.copy_(reduced)
+            value = torch.mul(low.to(self.master_dtype), 1.0 / post)
+            store.write(m, low, sum_of_squares([value]), post=post)
+            return
         if grad is None:
             grad = store.buffer(n)
-            if reduced.dtype != self.master_dtype:
-                grad.copy_(reduced)
-                grad.mul_(1.0 / post)
-            elif post != 1.0:
+            if post != 1.0:
                 torch.div(reduced.to(grad.device), post, out=grad)
             else:
                 grad.copy_(reduced)
