@@ -9,7 +9,7 @@ COMMANDS = {
     "launch": ("zerospeed.launcher.launch", "run a training script on N local ranks / nodes (torchrun underneath)"),
     "demo": ("zerospeed.demo.cli", "train a byte-level GPT on Python's standard library source"),
     "to-fp32": ("zerospeed.runtime.consolidate", "consolidate a checkpoint into fp32 safetensors (offline, streaming)"),
-    "estimate": ("zerospeed.zero.estimate_cli", "model-state memory per rank for ZeRO stages 0-3 (--params 7.5e9 --dp 64 [--tp 2 --pp 2])"),
+    "estimate": ("zerospeed.zero.estimate_cli", "model-state memory per rank for ZeRO stages 0-3 (--params 7.5e9 --dp 64 [--tp 2 --pp 2]); the largest model with NVMe offload (--offload nvme --hidden 4096)"),
     "tp-plan": ("zerospeed.tensor_parallel.plan_cli", "the tensor-parallel sharding plan of a HF model (--model-type llama --tp 2)"),
     "pipe-schedule": ("zerospeed.pipe.schedule_cli", "the fastest pipeline schedule for measured per-stage times (--stages 4 --microbatches 8 --forward 0.01 ...)"),
 }

@@ -202,6 +202,16 @@ def test_too_little_disk(tmp_path):
     assert 2 * 16 * psi // 2 > 64 * 1024  # the two ranks' swap really does not fit
 
 
+def test_too_little_host_memory(tmp_path):
+    """The pre-flight predicts the rank's host bytes (offload.budget.rank_budget) before anything is
+    allocated: a parameter buffer pool larger than the RAM is refused, naming the component."""
+    cfg = ds_config(3, "fp32", {"device": "nvme"}, {"device": "nvme", "buffer_count": 10**7, "max_in_cpu": 0},
+                    nvme_path=tmp_path)
+    for m in run_distributed(_expect_error, 2, cfg):
+        assert m.startswith("OffloadResourceError") and "host RAM: needs" in m, m
+        assert "param_pool" in m and "buffer_count" in m, m
+
+
 # -- bigger than memory ------------------------------------------------------------------------------
 BIG = GPTConfig(vocab_size=256, seq_len=32, n_layer=12, n_head=8, d_model=1024, bias=False)
 CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1 memory controller (root only): enforces the cap

@@ -136,3 +136,23 @@ def test_cli_tp_pp_rejects(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         cli_main(["estimate", "--params", "1e9", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_offload_nvme_largest_model(capsys):
+    """ZeRO-Infinity: with a flat host budget the disk sets the largest model: 77 GB / 16 B (bf16: 12 B
+    optimizer + 2 B gradient + 2 B parameter per element) = 4.81B; fp32 (20 B) 3.85B; a 4.09B model fits
+    in bf16, not in fp32."""
+    base = ["estimate", "--offload", "nvme", "--hidden", "2560", "--dp", "2", "--ram", "24e9", "--disk", "77e9"]
+    assert cli_main(base + ["--precision", "mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "largest trainable: Ψ = 4.81B parameters, limited by disk" in out, out
+    assert "param_pool 0.39" in out  # 5 buffers x 39.3M elements x 2 bytes
+    assert cli_main(base + ["--precision", "fp32"]) == 0
+    assert "Ψ = 3.85B parameters, limited by disk" in capsys.readouterr().out
+    assert cli_main(base + ["--precision", "mixed", "--params", "4.09B"]) == 0
+    assert "Ψ = 4.09e+09: fits" in capsys.readouterr().out
+    assert cli_main(base + ["--precision", "fp32", "--params", "4.09B"]) == 0
+    assert "Ψ = 4.09e+09: does not fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["estimate", "--offload", "nvme", "--dp", "2"])
+    assert "needs --hidden" in capsys.readouterr().err

@@ -12,41 +12,15 @@ import logging
 import torch
 
 from .aio import AsyncIO
+from .budget import RankBudget
 from .hostmem import return_freed_memory_to_os
 from .policy import OffloadPolicy
 from .preflight import check_nvme_path, check_resources
 from .swap import SwapSpace, clear_stale
 
-__all__ = ["OffloadContext", "estimate_needs"]
+__all__ = ["OffloadContext"]
 
 _log = logging.getLogger("zerospeed")
-
-
-def estimate_needs(policy: OffloadPolicy, *, numel: int, world: int, param_bytes: int,
-                   largest_unit: int | None = None, states: int = 2, stage: int = 3) -> dict[str, dict]:
-    """What one rank will need, in bytes: {"host": n, "pinned": n, "disk": {"optimizer" | "param": n}}.
-
-    numel: trainable parameters Ψ (elements); world: dp ranks N; param_bytes: bytes per element of
-    the parameter dtype; largest_unit: elements of the largest stage-3 gather unit (default Ψ);
-    states: elementwise optimizer states per element (Adam: 2). The fp32 masters and states take
-    (1 + states) x 4 x Ψ/N bytes wherever the optimizer offload puts them; at stage 3 with the
-    optimizer on NVMe the fp32 gradients go there too (4 x Ψ/N bytes, `SwappedGrads`).
-    """
-    shard = -(-numel // world)
-    host, disk = 0, {}
-    opt_bytes = (1 + states) * 4 * shard
-    if policy.optimizer == "cpu":
-        host += opt_bytes
-    elif policy.optimizer == "nvme":
-        tile = min(policy.sub_group_size, shard)
-        host += (2 if policy.pipeline else 1) * (1 + states) * 4 * tile
-        disk["optimizer"] = opt_bytes + (4 * shard if stage == 3 else 0)
-    if policy.param == "nvme":
-        unit = -(-(largest_unit or numel) // world)
-        host += max(policy.param_buffer_count, 2) * min(policy.param_buffer_size, unit) * param_bytes
-        disk["param"] = shard * param_bytes
-    pinned = host if policy.pin_memory and torch.accelerator.is_available() else 0
-    return {"host": host, "pinned": pinned, "disk": disk}
 
 
 class OffloadContext:
@@ -57,12 +31,12 @@ class OffloadContext:
         self.policy, self.aio, self.swaps = policy, aio, swaps
 
     @classmethod
-    def create(cls, policy: OffloadPolicy, aio_cfg, *, rank: int, local_ranks: int, numel: int, world: int,
-               param_bytes: int, largest_unit: int | None = None, clear_stale_files: bool = True,
-               stage: int = 3) -> OffloadContext:
-        """Pre-flight (nvme_path usable, enough RAM / pinned memory / disk for `local_ranks` ranks on
-        this node; with `clear_stale_files` (one rank per node) swap files of dead runs are removed
-        first), then open the swap spaces. Raises OffloadResourceError with the numbers and the fix."""
+    def create(cls, policy: OffloadPolicy, aio_cfg, *, rank: int, local_ranks: int, budget: RankBudget,
+               clear_stale_files: bool = True) -> OffloadContext:
+        """Pre-flight (nvme_path usable; this node's RAM and disks hold `local_ranks` times `budget`, the
+        rank's predicted host and disk bytes from `budget.rank_budget`; with `clear_stale_files` (one rank
+        per node) swap files of dead runs are removed first), then open the swap spaces. Raises
+        OffloadResourceError with the numbers, what the host bytes are made of, and the fix."""
         paths = {}
         for what, device, path in (("optimizer", policy.optimizer, policy.optimizer_nvme_path),
                                    ("param", policy.param, policy.param_nvme_path)):
@@ -71,13 +45,15 @@ class OffloadContext:
         if clear_stale_files:
             for p in set(paths.values()):
                 clear_stale(p)
-        needs = estimate_needs(policy, numel=numel, world=world, param_bytes=param_bytes, largest_unit=largest_unit,
-                               stage=stage)
         disk: dict = {}
-        for what, n in needs["disk"].items():
-            disk[paths[what]] = disk.get(paths[what], 0) + n
-        check_resources(host_bytes=needs["host"], pinned_bytes=needs["pinned"], disk_bytes=disk,
-                        local_ranks=local_ranks, what=policy.describe())
+        for what, n in budget.disk.items():
+            where = paths["param" if what == "param" else "optimizer"]
+            disk[where] = disk.get(where, 0) + n
+        host = budget.host_total
+        pinned = sum(budget.host.get(k, 0) for k in ("param_pool", "optimizer")) \
+            if policy.pin_memory and torch.accelerator.is_available() else 0  # the I/O buffers are pinned
+        check_resources(host_bytes=host - pinned, pinned_bytes=pinned, disk_bytes=disk, local_ranks=local_ranks,
+                        what=f"{policy.describe()} (per rank: {budget.describe()}, plus activations)")
         return_freed_memory_to_os()  # host RAM is what offload saves: let freed tensors leave the RSS
         aio = AsyncIO.from_config(aio_cfg) if paths else None
         swaps = {w: SwapSpace(p, rank=rank, aio=aio) for w, p in paths.items()}

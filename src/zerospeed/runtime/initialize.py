@@ -193,25 +193,39 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
 
 
 def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedPrecisionPolicy):
-    """The rank's OffloadContext (pre-flight checks, swap spaces) when offload_* is on, else None."""
+    """The rank's OffloadContext (pre-flight checks against the rank's predicted budget, swap spaces)
+    when offload_* is on, else None."""
     from ..offload import OffloadPolicy
 
     opol = OffloadPolicy.from_config(cfg.zero_optimization)
     if not opol.enabled:
         return None
     from ..offload import OffloadContext
+    from ..offload.budget import rank_budget
     from ..zero.stage3_init import shape_of
+    from ..zero.stage3_units import plan_units
 
+    zero = cfg.zero_optimization
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(shape_of(p).numel() for p in params)
-    itemsize = torch.empty(0, dtype=policy.param_dtype).element_size()
+    largest = numel
+    if zero.stage == 3:  # the gather units the strategy will build (pure: no tensor is touched)
+        plans = plan_units(model, persistence_threshold=int(zero.param_persistence_threshold),
+                           leaf_classes=zero.leaf_module.classes, leaf_names=zero.leaf_module.names,
+                           leaf_name_suffixes=zero.leaf_module.name_suffixes,
+                           numel_of=lambda p: shape_of(p).numel())
+        largest = max((plan.numel for plan in plans), default=numel) or numel
+    world = dist.get_world_size(group)
+    budget = rank_budget(opol, numel=max(numel, 1), largest_unit=max(largest, 1), world=world,
+                         param_bytes=torch.empty(0, dtype=policy.param_dtype).element_size(), mixed=policy.mixed,
+                         grad_accum=cfg.gradient_accumulation_steps, stage=zero.stage,
+                         prefetch_bucket_size=int(zero.prefetch_bucket_size),
+                         reduce_bucket_size=int(zero.reduce_bucket_elements))
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())  # ranks on this node share its RAM and disk
     mine = [r for r, h in enumerate(hosts) if h == hosts[dist.get_rank()]]
-    return OffloadContext.create(opol, cfg.aio, rank=dist.get_rank(), local_ranks=len(mine),
-                                 clear_stale_files=dist.get_rank() == mine[0], numel=numel,
-                                 world=dist.get_world_size(group), param_bytes=itemsize,
-                                 stage=cfg.zero_optimization.stage)
+    return OffloadContext.create(opol, cfg.aio, rank=dist.get_rank(), local_ranks=len(mine), budget=budget,
+                                 clear_stale_files=dist.get_rank() == mine[0])
 
 
 def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=None):

@@ -9,6 +9,10 @@
 
     $ zerospeed estimate --params 7B --world 64 --tp 4 --pp 2 --replicated-params 0.26B
     (Ψ per rank before ZeRO = (Ψ_s / tp + Ψ_r) / pp, balanced stages; ZeRO over N = 64 / (4 x 2) = 8)
+
+    $ zerospeed estimate --offload nvme --hidden 2560 --dp 2 --precision mixed --nvme-path /nvme
+    ZeRO-Infinity (stage 3, optimizer, gradients and parameters on NVMe): the largest model this node
+    trains, given its RAM and the free disk at --nvme-path (`offload.budget`), and the per-rank budget.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ import argparse
 import math
 import re
 
+from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
+from ..offload.budget import largest_model, rank_budget
+from ..offload.policy import OffloadPolicy
 from .memory import (BYTES_PER_PARAM, PARTITIONED, data_parallel_size, estimate_model_states_memory,
                      model_parallel_params)
 
@@ -59,12 +66,65 @@ def format_table(num_params: float, stages: list[int], dp_world_size: int, preci
     return "\n".join(lines)
 
 
+def format_offload(args) -> str:
+    """`--offload nvme`: the largest Ψ this node trains with both tiers on NVMe (or, with --params, the
+    budget of that Ψ and whether it fits), for blocks of width --hidden (a unit of 12 x hidden² elements)."""
+    import os
+    import shutil
+
+    ram = args.ram if args.ram is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    disk = args.disk if args.disk is not None else shutil.disk_usage(args.nvme_path).free
+    unit = int(args.largest_unit or 12 * args.hidden ** 2)
+    mixed = args.precision == "mixed"
+    pol = OffloadPolicy(optimizer="nvme", param="nvme", sub_group_size=int(args.sub_group_size), pipeline=args.pipeline,
+                        param_buffer_count=args.buffer_count, max_in_cpu=0)
+    dp, process = args.dp or 1, int(args.process_bytes)
+
+    def budget_of(n):
+        return rank_budget(pol, numel=max(int(n), 1), largest_unit=unit, world=dp, param_bytes=2 if mixed else 4,
+                           mixed=mixed, grad_accum=args.grad_accum, prefetch_bucket_size=unit,
+                           reduce_bucket_size=DEFAULT_REDUCE_BUCKET_SIZE)
+    psi, limit = largest_model(ram_bytes=int(ram), disk_bytes=int(disk), ranks=dp, process_bytes=process,
+                               budget_of=budget_of)
+    shown = int(args.params) if args.params else psi
+    b = budget_of(shown)
+    gb = 1e9
+    lines = [f"ZeRO-Infinity, stage 3, optimizer + gradients + parameters on NVMe, {args.precision} precision, "
+             f"Adam; {dp} ranks on this node, gather unit {unit:.3g} elements (12 x hidden²)",
+             f"node: RAM {ram / gb:.1f} GB, free disk {disk / gb:.1f} GB; per rank {process / gb:.2f} GB for the "
+             "process itself (torch, process group), activations not counted (use activation checkpointing)",
+             f"per-rank host budget at Ψ = {shown:.3g} (GB): " + ", ".join(
+                 f"{k} {v / gb:.2f}" for k, v in b.host.items()) + f"; total {b.host_total / gb:.2f}",
+             f"per-rank disk at Ψ = {shown:.3g} (GB): " + ", ".join(f"{k} {v / gb:.2f}" for k, v in b.disk.items())
+             + f"; node total {dp * b.disk_total / gb:.1f}"]
+    if args.params:
+        fits = dp * (b.host_total + process) <= ram and dp * b.disk_total <= disk
+        lines.append(f"Ψ = {shown:.3g}: {'fits' if fits else 'does not fit'} (largest: {psi:.3g}, limited by {limit})")
+    else:
+        lines.append(f"largest trainable: Ψ = {psi / 1e9:.2f}B parameters, limited by {limit}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `zerospeed estimate`; returns the exit code (argparse exits 2 on bad arguments)."""
     parser = argparse.ArgumentParser(prog="zerospeed estimate",
                                      description="Model-state memory per rank (bytes of parameters, gradients, "
                                                  "optimizer states, master weights) under ZeRO stages 0-3.")
-    parser.add_argument("--params", type=parse_count, required=True, help="trainable parameters, e.g. 7.5e9 or 7.5B")
+    parser.add_argument("--params", type=parse_count, default=None, help="trainable parameters, e.g. 7.5e9 or 7.5B")
+    off = parser.add_argument_group("ZeRO-Infinity (--offload nvme): the largest model this node trains")
+    off.add_argument("--offload", choices=["nvme"], default=None,
+                     help="stage 3 with offload_optimizer and offload_param on NVMe")
+    off.add_argument("--hidden", type=int, default=None, help="hidden size: a block of 12 x hidden² elements")
+    off.add_argument("--largest-unit", type=parse_count, default=None, help="elements of the largest block instead")
+    off.add_argument("--nvme-path", default=".", help="where the swap files go (its free disk is used)")
+    off.add_argument("--ram", type=parse_count, default=None, help="node RAM in bytes (default: this machine's)")
+    off.add_argument("--disk", type=parse_count, default=None, help="free disk in bytes (default: at --nvme-path)")
+    off.add_argument("--buffer-count", type=int, default=5, help="offload_param.buffer_count (default 5)")
+    off.add_argument("--sub-group-size", type=parse_count, default=1e9, help="sub_group_size (default 1e9)")
+    off.add_argument("--pipeline", action="store_true", help="offload_optimizer.pipeline_read/write")
+    off.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (default 1)")
+    off.add_argument("--process-bytes", type=parse_count, default=400e6,
+                     help="bytes each rank's process takes besides model states (default 400M, measured here)")
     parser.add_argument("--stage", type=int, choices=sorted(PARTITIONED), default=None,
                         help="one ZeRO stage (default: all of 0-3)")
     parser.add_argument("--dp", type=int, default=None,
@@ -78,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=sorted(BYTES_PER_PARAM), default="mixed",
                         help="mixed: fp16/bf16 with fp32 master weights (default); fp32: fp32 training")
     args = parser.parse_args(argv)
+    if args.offload:
+        if args.hidden is None and args.largest_unit is None:
+            parser.error("--offload nvme needs --hidden (or --largest-unit): what stays in memory is set by the "
+                         "largest block, not by the number of parameters")
+        if args.precision not in ("mixed", "fp32"):
+            parser.error(f"--precision {args.precision}: use mixed or fp32")
+        print(format_offload(args))
+        return 0
+    if args.params is None:
+        parser.error("--params is required (or --offload nvme --hidden H for the largest model)")
     for flag in ("dp", "world", "tp", "pp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
