@@ -3,14 +3,18 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/_offload_worker.py \
         --system zerospeed --mode nvme --model base --nvme-path DIR --data batches.pt --result out.json
 
-ZeRO stage 3, fp32, AdamW (bench/_systems.py's settings), `--mode` mem | cpu | nvme (optimizer and
-parameters both in memory / host / NVMe). `--model base` is zerospeed.testing's GPT (built whole on
-every rank after the seed, as in bench_zero.py); `--model big:LxD` is `InitGPT` (L blocks of width
-D, untied head) built under `zerospeed.zero.Init()` / `deepspeed.zero.Init(config_dict_or_path=cfg)`
-so no rank ever holds the whole model. Rank 0 writes one JSON object: per-step wall / CPU times
+ZeRO stage 3, AdamW (bench/_systems.py's settings), fp32 or (`@bf16` after the model name) bf16,
+`--mode` mem | cpu | nvme (optimizer and parameters both in memory / host / NVMe). `--model base` is
+zerospeed.testing's GPT (built whole on every rank after the seed, as in bench_zero.py); `--model
+big:LxD` is `InitGPT` (L blocks of width D, untied head) built under `zerospeed.zero.Init()` /
+`deepspeed.zero.Init(config_dict_or_path=cfg)` so no rank ever holds the whole model (with NVMe:
+`remote_device="nvme"`, the slices on disk too). `--ckpt`: activation checkpointing of every block
+(`zerospeed.checkpointing.checkpoint` / `deepspeed.checkpointing.checkpoint`). `--param-buffers`,
+`--pipeline`: offload_param.buffer_count and the optimizer's pipeline_read/write. Rank 0 writes one JSON object: per-step wall / CPU times
 (max over ranks), losses, peak and start RSS of every rank, and per rank the disk bytes of the
 timed steps (/proc/self/io read_bytes / write_bytes, both systems) and, for zerospeed, the counters
-of `engine.offload.aio` plus the time at least one of its requests was in flight (`busy_s`).
+of `engine.offload.aio` plus the time at least one of its requests was in flight (`busy_s`), and
+the peak of the current RSS (sampled every 20 ms) in each phase: build, initialize, train.
 """
 from __future__ import annotations
 
@@ -39,8 +43,15 @@ def InitGPT(cfg: GPTConfig) -> GPT:  # noqa: N802 - named like the class it buil
     return GPT(cfg, init_weights=False)
 
 
+def split_model(name: str) -> tuple[str, str]:
+    """'big:52x2560@bf16' -> ('big:52x2560', 'bf16'); no '@': fp32."""
+    model, _, precision = name.partition("@")
+    return model, precision or "fp32"
+
+
 def model_config(name: str, seq_len: int) -> GPTConfig:
     """'base' -> GPT_SIZES['base']; 'big:LxD' -> L layers of width D (D/128 heads), no bias, untied."""
+    name = split_model(name)[0]
     if name in GPT_SIZES:
         return GPT_SIZES[name]
     layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
@@ -48,20 +59,21 @@ def model_config(name: str, seq_len: int) -> GPTConfig:
                      d_model=width, bias=False, tie_weights=False)
 
 
-def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path: str, buffer_size: int) -> dict:
-    """bench/_systems.py's stage-3 fp32 config plus the offload sections (the same for both systems)."""
-    cfg = _ds_config(stage=3, precision="fp32", micro_batch=micro, world_size=world, deepspeed=system == "deepspeed")
+def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path: str, buffer_size: int,
+                   precision: str = "fp32", param_buffers: int = 16, pipeline: bool = False) -> dict:
+    """bench/_systems.py's stage-3 config plus the offload sections (the same for both systems)."""
+    cfg = _ds_config(stage=3, precision=precision, micro_batch=micro, world_size=world, deepspeed=system == "deepspeed")
     zero = cfg["zero_optimization"]
     zero.update(sub_group_size=10_000_000)
     if mode == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["offload_param"] = {"device": "cpu"}
     elif mode == "nvme":
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": False,
-                                     "pipeline_write": False, "buffer_count": 4}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": pipeline,
+                                     "pipeline_write": pipeline, "buffer_count": 4}
         # DeepSpeed holds one buffer per parameter in flight (prefetched ones included): with 5 buffers and
         # its default prefetch (5e7 elements) it fails ("Not enough buffers 0 for swapping 1")
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 16,
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": param_buffers,
                                  "buffer_size": buffer_size, "max_in_cpu": 0}
         # ... and still with 16 buffers while it keeps parameters gathered for reuse (stage3_max_reuse_distance 1e9)
         zero.update(stage3_prefetch_bucket_size=buffer_size, stage3_max_reuse_distance=0)
@@ -126,8 +138,50 @@ def proc_io() -> tuple[int, int]:
     return int(vals["read_bytes"]), int(vals["write_bytes"])
 
 
+class _Phases:
+    """Peak current RSS (/proc/self/statm, sampled every 20 ms by a thread) per named phase."""
+
+    def __init__(self):
+        self.phase, self.peaks, self._stop = "start", {}, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @staticmethod
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.rss())
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.rss())
+        return self.peaks
+
+
+def checkpoint_blocks(model, system: str) -> None:
+    """Activation checkpointing of every transformer block (the block's forward hooks run again in the
+    recomputation, so ZeRO-3 gathers its parameters there)."""
+    if system == "deepspeed":
+        from deepspeed.checkpointing import checkpoint
+    else:
+        from zerospeed.checkpointing import checkpoint
+
+    import functools
+
+    from torch import nn
+
+    cls = type(model.blocks[0])
+    # one subclass with the same name: ZeRO-3 still finds the blocks as its gather units (a repeated class)
+    sub = type(cls.__name__, (cls,), {"__call__": lambda self, x: checkpoint(functools.partial(nn.Module.__call__, self),
+                                                                            x)})
+    for block in model.blocks:
+        block.__class__ = sub
+
+
 def build(args, world: int, cfg: dict, mcfg: GPTConfig):
     torch.manual_seed(args.seed)
+    init_kw = {"remote_device": "nvme", "config_dict_or_path": cfg} if args.mode == "nvme" and args.init_nvme else {}
     if args.system == "deepspeed":
         import deepspeed
 
@@ -137,17 +191,18 @@ def build(args, world: int, cfg: dict, mcfg: GPTConfig):
             if args.mode == "nvme":  # DeepSpeed's own Init of an fp32 model with params on NVMe picks bf16
                 deepspeed.zero.Init(module=model, config_dict_or_path=cfg)  # on this CPU accelerator: convert here
             return model
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
+        with deepspeed.zero.Init(**{"config_dict_or_path": cfg, **init_kw}):
             return InitGPT(mcfg)
     if args.model in GPT_SIZES:
         return GPT(mcfg)
     import zerospeed
 
-    with zerospeed.zero.Init():
+    with zerospeed.zero.Init(**init_kw):
         return InitGPT(mcfg)
 
 
 def run(args, rank: int, world: int, busy: _Busy) -> dict:
+    phases = _Phases()
     rss_start = peak_rss_bytes()
     batches = torch.load(args.data, weights_only=True)
     total = args.warmup + args.steps
@@ -156,9 +211,15 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     mcfg = model_config(args.model, mine.shape[-1] - 1)
     d = mcfg.d_model  # DeepSpeed: >= the largest parameter; zerospeed: >= a block's shard per rank
     largest = max(4 * d * d, mcfg.vocab_size * d, (12 * d * d + 16 * d) // world + 4096)
+    precision = split_model(args.model)[1]
     cfg = offload_config(system=args.system, mode=args.mode, micro=args.micro_batch, world=world,
-                         nvme_path=args.nvme_path, buffer_size=largest)
+                         nvme_path=args.nvme_path, buffer_size=largest, precision=precision,
+                         param_buffers=args.param_buffers, pipeline=args.pipeline)
+    phases.phase = "build"
     model = build(args, world, cfg, mcfg)
+    if args.ckpt:
+        checkpoint_blocks(model, args.system)
+    phases.phase = "initialize"
     n_params = mcfg.num_params()
     t0 = time.perf_counter()
     runner = _EngineRunner()
@@ -174,8 +235,10 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
 
         runner.engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     setup_s = time.perf_counter() - t0
+    phases.phase = "train"
     offload = getattr(runner.engine, "offload", None) if args.system == "zerospeed" else None
     aio = offload.aio if offload is not None else None
+    budget = getattr(offload, "budget", None)
     step_s, cpu_s, losses = [], [], []
     io0 = None
 
@@ -194,10 +257,14 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
         losses.append(float(loss.detach().float()))
         print(f"rank {rank} step {i}: {step_s[-1]:.2f} s loss {losses[-1]:.4f}", flush=True)
     io1 = counters()
+    peaks = phases.stop()
     io = [b - a for a, b in zip(io0, io1)]
     disk = offload.disk_bytes() if offload is not None else 0
     times, cpus, loss_ranks = all_gather_floats(step_s), all_gather_floats(cpu_s), all_gather_floats(losses)
-    per_rank = all_gather_floats([peak_rss_bytes(), rss_start, setup_s, disk, *io])
+    names = ("build", "initialize", "train")
+    per_rank = all_gather_floats([peak_rss_bytes(), rss_start, setup_s, disk, *io,
+                                  *(float(peaks.get(n, 0)) for n in names)])
+    nio = len(io)
     if hasattr(runner.engine, "destroy"):
         runner.engine.destroy()
     keys = ["disk_read", "disk_written", "aio_busy_s", "aio_busy_read_s", "aio_busy_write_s", "aio_wait_s", "aio_read",
@@ -208,7 +275,12 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
             "losses": [sum(r[i] for r in loss_ranks) / world for i in range(total)],
             "peak_rss_bytes": [r[0] for r in per_rank], "start_rss_bytes": [r[1] for r in per_rank],
             "setup_s": max(r[2] for r in per_rank), "swap_bytes": [r[3] for r in per_rank],
-            "io": [dict(zip(keys, r[4:])) for r in per_rank], "has_aio_counters": aio is not None}
+            "io": [dict(zip(keys, r[4:4 + nio])) for r in per_rank], "has_aio_counters": aio is not None,
+            "phase_rss_bytes": [dict(zip(names, r[4 + nio:])) for r in per_rank], "precision": precision,
+            "predicted_host_bytes": budget.host_total if budget else None,
+            "predicted_disk_bytes": budget.disk_total if budget else None,
+            "predicted_host": dict(budget.host) if budget else None,
+            "ckpt": args.ckpt}
 
 
 def main(argv=None) -> int:
@@ -219,6 +291,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--ckpt", action="store_true", help="activation checkpointing of every block")
+    p.add_argument("--param-buffers", type=int, default=16, help="offload_param.buffer_count")
+    p.add_argument("--pipeline", action="store_true", help="offload_optimizer.pipeline_read/write")
+    p.add_argument("--init-nvme", action="store_true", help='NVMe mode: Init(remote_device="nvme")')
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nvme-path", required=True)
     p.add_argument("--data", required=True)

@@ -3,6 +3,7 @@
     python bench/bench_offload.py                       # base (3 modes) + a big model (NVMe), see bench/README.md
     python bench/bench_offload.py --models base --modes mem,nvme --repeats 2
     python bench/bench_offload.py --report bench/results/bench_offload_<timestamp>.json
+    python bench/bench_offload.py --largest             # 1B / 2B / 4B GPTs, bf16 and fp32, NVMe (bench/_largest.py)
 
 ZeRO stage 3, fp32, AdamW (bench/_systems.py), world size 2 (gloo, 1 thread per rank), the demo's
 text as pre-sampled windows (bench_zero.write_batches: same bytes for every system), the same seed
@@ -30,6 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import _largest  # noqa: E402
 from bench_zero import _log_tail, launch, write_batches  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--report", metavar="JSON", default=None, help="only re-render a saved run")
+    p.add_argument("--largest", action="store_true",
+                   help=f"issue 22's run: zerospeed on --models {_largest.MODELS} (NVMe, checkpointing; _largest.py)")
     p.add_argument("--add-runs", metavar="JSON", nargs="*", default=[],
                    help="per-launch result files of an earlier invocation to report with this one (marked in the "
                         "JSON; their load and raw bandwidth are not this run's)")
@@ -149,6 +153,12 @@ def run_all(args, stamp: str, logs: Path, data: Path, ds_skip: str | None) -> li
                 runs.append({**row, "status": "skipped", "message": ds_skip})
                 continue
             big = model != "base"
+            if args.largest and (need := _largest.disk_need(model)) > 0.97 * shutil.disk_usage(nvme_root).free:
+                why = (f"does not fit the disk: its swap files take {need / 1e9:.1f} GB (offload.budget), "
+                       f"{shutil.disk_usage(nvme_root).free / 1e9:.1f} GB free")
+                print(f"skip {model}: {why}", file=sys.stderr, flush=True)
+                runs.append({**row, "status": "skipped", "message": why})
+                continue
             name = f"{model.replace(':', '')}_{system}_{mode}_r{rep}"
             swap = nvme_root / f"{stamp}_{name}"
             swap.mkdir(parents=True, exist_ok=True)
@@ -159,6 +169,7 @@ def run_all(args, stamp: str, logs: Path, data: Path, ds_skip: str | None) -> li
                    "--warmup", str(args.big_warmup if big else args.warmup),
                    "--micro-batch", str(args.micro_batch), "--seed", str(args.seed),
                    "--nvme-path", str(swap), "--data", str(data), "--result", str(result)]
+            cmd += _largest.WORKER_FLAGS if args.largest else []
             load = os.getloadavg()[0]
             code, wall = launch(cmd, logs / f"{name}.log", args.timeout)
             left = _dir_bytes(swap)
@@ -320,9 +331,13 @@ def markdown(saved: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.largest:
+        if args.models == parse_args([]).models:
+            args.models = _largest.MODELS
+        args.systems, args.big_modes, args.big_steps, args.big_warmup = "zerospeed", "nvme", 2, 1
     if args.report:
         saved = json.loads(Path(args.report).read_text())
-        print(markdown(saved))
+        print(_largest.markdown(saved) if saved["args"].get("largest") else markdown(saved))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +372,7 @@ def main(argv=None) -> int:
              "largest": largest_trainable(agg, mem_total, disk_free)}
     base = out / f"bench_offload_{stamp}"
     base.with_suffix(".json").write_text(json.dumps(saved, indent=1))
-    md = markdown(saved) + f"\n({saved['minutes']:.1f} min)\n"
+    md = (_largest.markdown(saved) if args.largest else markdown(saved)) + f"\n({saved['minutes']:.1f} min)\n"
     base.with_suffix(".md").write_text(md)
     print(md)
     return 0

@@ -25,10 +25,12 @@ _log = logging.getLogger("zerospeed")
 
 class OffloadContext:
     """One rank's offload resources. policy: the `OffloadPolicy`; aio: the `AsyncIO` engine (None
-    without NVMe); swaps: {"optimizer" | "param": SwapSpace}. close() removes the swap files."""
+    without NVMe); swaps: {"optimizer" | "param": SwapSpace}; budget: the predicted `RankBudget`.
+    close() removes the swap files."""
 
     def __init__(self, policy: OffloadPolicy, aio: AsyncIO | None, swaps: dict[str, SwapSpace]):
         self.policy, self.aio, self.swaps = policy, aio, swaps
+        self.budget: RankBudget | None = None  # the prediction the pre-flight checked (create)
 
     @classmethod
     def create(cls, policy: OffloadPolicy, aio_cfg, *, rank: int, local_ranks: int, budget: RankBudget,
@@ -57,7 +59,9 @@ class OffloadContext:
         return_freed_memory_to_os()  # host RAM is what offload saves: let freed tensors leave the RSS
         aio = AsyncIO.from_config(aio_cfg) if paths else None
         swaps = {w: SwapSpace(p, rank=rank, aio=aio) for w, p in paths.items()}
-        return cls(policy, aio, swaps)
+        ctx = cls(policy, aio, swaps)
+        ctx.budget = budget
+        return ctx
 
     def close(self) -> None:
         """Remove this rank's swap files and stop the I/O threads (idempotent)."""

@@ -1,0 +1,78 @@
+"""`bench_offload.py --largest` (issue 22): the largest GPTs ZeRO-Infinity trains on this node.
+
+Models: big:LxD GPTs (L blocks of width D, vocab 256, untied) of about 1B, 2B and 4B parameters, bf16
+and fp32 (a model key's `@bf16` suffix), world size 2, both tiers on NVMe, activation checkpointing of
+every block, the slices on NVMe from the build on (`zero.Init(remote_device="nvme")`), 8 parameter
+buffers, sub_group_size 1e7 with pipelined optimizer reads/writes. A model whose swap files would not
+fit the free disk (zerospeed's own `offload.budget` prediction, 3% slack) is skipped with the numbers.
+
+Columns: step time (median of the timed steps, the first step - which creates the Adam states - not
+timed); the I/O bound = (bytes read by both ranks / raw read bandwidth) + (bytes written / raw write
+bandwidth), per step, from /proc/self/io and the raw O_DIRECT figures of the same run (one disk: reads
+and writes share it); peak current RSS per rank in each phase (build under Init, initialize, train)
+against the predicted host budget (`offload.budget.rank_budget` + the process's RSS at start);
+swap files against the predicted disk bytes.
+"""
+from __future__ import annotations
+
+MODELS = "big:20x2048@bf16,big:20x2048,big:26x2560@bf16,big:26x2560,big:52x2560@bf16,big:44x2560"
+WORKER_FLAGS = ["--ckpt", "--init-nvme", "--pipeline", "--param-buffers", "8"]
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def disk_need(model: str, world: int = 2) -> int:
+    """Bytes the node's swap files take for `model` ('big:LxD[@bf16]') under the --largest settings."""
+    from zerospeed.offload import OffloadPolicy
+    from zerospeed.offload.budget import rank_budget
+
+    name, _, precision = model.partition("@")
+    layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
+    numel = layers * (12 * width * width + 2 * width) + 2 * 256 * width + width
+    pol = OffloadPolicy(optimizer="nvme", param="nvme", max_in_cpu=0, sub_group_size=10_000_000)
+    mixed = precision == "bf16"
+    b = rank_budget(pol, numel=numel, largest_unit=12 * width * width, world=world, param_bytes=2 if mixed else 4,
+                    mixed=mixed)
+    return world * b.disk_total
+
+
+def markdown(saved: dict) -> str:
+    raw = saved["raw"]
+    lines = [f"bench_offload --largest {saved['stamp']}: ZeRO-3, AdamW, world size 2 (gloo, 1 thread/rank), "
+             f"micro-batch {saved['args']['micro_batch']} x seq {saved['args']['seq']}, both tiers on NVMe, activation "
+             f"checkpointing, Init(remote_device='nvme'); {saved['machine']}; load avg "
+             f"{min(saved['loads']):.1f}-{max(saved['loads']):.1f}",
+             "",
+             f"Raw O_DIRECT bandwidth, MB/s read / write: dd {raw['dd_read']:,.0f} / {raw['dd_write']:,.0f}; AsyncIO 1 "
+             f"worker {raw['aio1_read']:,.0f} / {raw['aio1_write']:,.0f}; 8 workers {raw['aio8_read']:,.0f} / "
+             f"{raw['aio8_write']:,.0f}; best {raw['best_read']:,.0f} / {raw['best_write']:,.0f} (the I/O bound uses these).",
+             "",
+             "| model (params) | precision | step s wall / CPU | I/O bound s | step / bound | peak RSS/rank MiB: build / "
+             "initialize / train | predicted MiB (process + budget) | read / written per step per rank, GB | "
+             "achieved MB/s read / write (% of raw) | swap files GB (predicted) | losses |",
+             "|" + "---|" * 11]
+    for r in saved["runs"]:
+        model, _, precision = r["model"].partition("@")
+        precision = precision or "fp32"
+        if r["status"] != "ok":
+            lines.append(f"| {model} | {precision} | {r['status']}: {r.get('message', '')[:240]} |" + " |" * 9)
+            continue
+        timed = r["step_s"][r["warmup"]:]
+        step = sorted(timed)[len(timed) // 2]
+        cpu = sorted(r["cpu_s"][r["warmup"]:])[len(timed) // 2]
+        io, n = r["io"], len(timed)
+        rd = sum(x["disk_read"] for x in io) / n
+        wr = sum(x["disk_written"] for x in io) / n
+        bound = rd / (raw["best_read"] * 1e6) + wr / (raw["best_write"] * 1e6)
+        ph = r["phase_rss_bytes"]
+        peaks = " / ".join(f"{max(p[k] for p in ph) / MiB:,.0f}" for k in ("build", "initialize", "train"))
+        pred = (max(r["start_rss_bytes"]) + r["predicted_host_bytes"]) / MiB if r.get("predicted_host_bytes") else None
+        bw_r = sum(x["aio_read"] / x["aio_busy_read_s"] for x in io if x["aio_busy_read_s"]) / 1e6
+        bw_w = sum(x["aio_written"] / x["aio_busy_write_s"] for x in io if x["aio_busy_write_s"]) / 1e6
+        disk = sum(r["swap_bytes"]) / 1e9
+        pdisk = 2 * r["predicted_disk_bytes"] / 1e9 if r.get("predicted_disk_bytes") else float("nan")
+        losses = ", ".join(f"{x:.3f}" for x in r["losses"])
+        lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f} | {bound:.1f} | "
+                     f"{step / bound:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
+                     f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
+                     f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")
+    return "\n".join(lines) + "\n"
