@@ -46,7 +46,7 @@ def markdown(saved: dict) -> str:
              f"worker {raw['aio1_read']:,.0f} / {raw['aio1_write']:,.0f}; 8 workers {raw['aio8_read']:,.0f} / "
              f"{raw['aio8_write']:,.0f}; best {raw['best_read']:,.0f} / {raw['best_write']:,.0f} (the I/O bound uses these).",
              "",
-             "| model (params) | precision | step s wall / CPU | I/O bound s | step / bound | peak RSS/rank MiB: build / "
+             "| model (params) | precision | step s wall / CPU (forward+backward) | I/O bound s | step / bound | peak RSS/rank MiB: build / "
              "initialize / train | predicted MiB (process + budget) | read / written per step per rank, GB | "
              "achieved MB/s read / write (% of raw) | swap files GB (predicted) | losses |",
              "|" + "---|" * 11]
@@ -59,6 +59,8 @@ def markdown(saved: dict) -> str:
         timed = r["step_s"][r["warmup"]:]
         step = sorted(timed)[len(timed) // 2]
         cpu = sorted(r["cpu_s"][r["warmup"]:])[len(timed) // 2]
+        fb = r.get("forward_backward_s")
+        fb = f" ({sorted(fb[r['warmup']:])[len(timed) // 2]:.1f})" if fb else ""
         io, n = r["io"], len(timed)
         rd = sum(x["disk_read"] for x in io) / n
         wr = sum(x["disk_written"] for x in io) / n
@@ -71,7 +73,7 @@ def markdown(saved: dict) -> str:
         disk = sum(r["swap_bytes"]) / 1e9
         pdisk = 2 * r["predicted_disk_bytes"] / 1e9 if r.get("predicted_disk_bytes") else float("nan")
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
-        lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f} | {bound:.1f} | "
+        lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f}{fb} | {bound:.1f} | "
                      f"{step / bound:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
                      f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
                      f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")

@@ -239,7 +239,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     offload = getattr(runner.engine, "offload", None) if args.system == "zerospeed" else None
     aio = offload.aio if offload is not None else None
     budget = getattr(offload, "budget", None)
-    step_s, cpu_s, losses = [], [], []
+    step_s, cpu_s, losses, fb_s = [], [], [], []
     io0 = None
 
     def counters():
@@ -251,6 +251,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
         x, y = mine[i, :, :-1], mine[i, :, 1:]
         t, c = time.perf_counter(), time.process_time()
         loss = runner.forward_backward(x, y)
+        fb_s.append(time.perf_counter() - t)
         runner.step()
         step_s.append(time.perf_counter() - t)
         cpu_s.append(time.process_time() - c)
@@ -261,6 +262,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     io = [b - a for a, b in zip(io0, io1)]
     disk = offload.disk_bytes() if offload is not None else 0
     times, cpus, loss_ranks = all_gather_floats(step_s), all_gather_floats(cpu_s), all_gather_floats(losses)
+    fbs = all_gather_floats(fb_s)
     names = ("build", "initialize", "train")
     per_rank = all_gather_floats([peak_rss_bytes(), rss_start, setup_s, disk, *io,
                                   *(float(peaks.get(n, 0)) for n in names)])
@@ -272,6 +274,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     return {"status": "ok", "n_params": n_params, "d_model": mcfg.d_model, "n_layer": mcfg.n_layer,
             "step_s": [max(r[i] for r in times) for i in range(total)],
             "cpu_s": [max(r[i] for r in cpus) for i in range(total)],
+            "forward_backward_s": [max(r[i] for r in fbs) for i in range(total)],
             "losses": [sum(r[i] for r in loss_ranks) / world for i in range(total)],
             "peak_rss_bytes": [r[0] for r in per_rank], "start_rss_bytes": [r[1] for r in per_rank],
             "setup_s": max(r[2] for r in per_rank), "swap_bytes": [r[3] for r in per_rank],
