@@ -146,3 +146,35 @@ def test_param_swapper_beyond_the_pool(swap):
     for i in range(4):
         ps.release(i)
     assert not ps._extra and len(ps.live) == 2  # the temporaries are freed, the pool keeps its 2 shards
+
+
+def test_swapped_grads_round_trip(swap):
+    """SwappedGrads: an fp32 gradient comes back as written; a bf16 one (with its divisor) comes back
+    as float(bf16) x (1 / post), as ShardedUnit.materialize_grad computes it; rows read at an offset;
+    scales are applied in order; sums of squares add up; inf is reported; clear() forgets all."""
+    from zerospeed.offload.grads import SwappedGrads
+
+    store = SwappedGrads(swap)
+    g = store.buffer(5000)
+    g.copy_(torch.linspace(-1, 1, 5000))
+    store.write(0, g, (g.double() ** 2).sum().reshape(1))
+    low = store.buffer(3000, torch.bfloat16)
+    low.copy_(torch.linspace(-2, 2, 3000))
+    want = torch.mul(low.float(), 1.0 / 3.0)
+    store.write(1, low, (want.double() ** 2).sum().reshape(1), post=3.0)
+    assert torch.equal(store.read(0, 5000), g) and torch.equal(store.read(1, 3000), want)
+    part = store.buffer(1000)
+    store.read_rows(1, 1024, part).wait()  # element offset 1024: a 2 KiB (bf16) file offset
+    assert torch.equal(part, want[1024:2024])
+    assert store.read(2, 10) is None and not store.has(2)
+    expect = (g.double() ** 2).sum() + (want.double() ** 2).sum()
+    assert torch.allclose(store.total_squares(), expect.reshape(1))
+    store.scale_(0.5)
+    store.scale_(torch.tensor(0.25))
+    assert torch.equal(store.apply_scales(part.clone()), part * 0.5 * 0.25)
+    bad = store.buffer(10)
+    bad.fill_(float("inf"))
+    store.write(2, bad, (bad.double() ** 2).sum().reshape(1))
+    assert store.nonfinite() == [2]
+    store.clear()
+    assert not store.has(0) and store.scales == [] and store.inflight_bytes() == 0
