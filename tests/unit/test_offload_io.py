@@ -366,6 +366,15 @@ def test_check_resources_disk_sums_one_file_system(machine, tmp_path):
     assert "host RAM" not in msg
 
 
+def test_check_resources_disk_credit(machine, tmp_path):
+    """Bytes this rank already wrote and the run frees as it starts (zero.Init's slices on NVMe) count
+    as free, once per local rank: 12 GiB needed on a 10 GiB-free disk fits with 2 x 1 GiB of credit."""
+    need = {tmp_path / "a": 3 * GiB, tmp_path / "b": 3 * GiB}
+    check_resources(disk_bytes=need, local_ranks=2, disk_credit={tmp_path: 1 * GiB})
+    with pytest.raises(OffloadResourceError, match="needs 12.00 GiB"):
+        check_resources(disk_bytes=need, local_ranks=2, disk_credit={tmp_path: GiB // 2})
+
+
 def test_check_resources_ram_and_memlock(machine, monkeypatch):
     check_resources(host_bytes=GiB, local_ranks=4)
     with pytest.raises(OffloadResourceError) as e:

@@ -34,10 +34,11 @@ class OffloadContext:
 
     @classmethod
     def create(cls, policy: OffloadPolicy, aio_cfg, *, rank: int, local_ranks: int, budget: RankBudget,
-               clear_stale_files: bool = True) -> OffloadContext:
+               clear_stale_files: bool = True, disk_credit: dict | None = None) -> OffloadContext:
         """Pre-flight (nvme_path usable; this node's RAM and disks hold `local_ranks` times `budget`, the
         rank's predicted host and disk bytes from `budget.rank_budget`; with `clear_stale_files` (one rank
-        per node) swap files of dead runs are removed first), then open the swap spaces. Raises
+        per node) swap files of dead runs are removed first; `disk_credit`: bytes on disk the run frees as
+        it starts, see `check_resources`), then open the swap spaces. Raises
         OffloadResourceError with the numbers, what the host bytes are made of, and the fix."""
         paths = {}
         for what, device, path in (("optimizer", policy.optimizer, policy.optimizer_nvme_path),
@@ -55,6 +56,7 @@ class OffloadContext:
         pinned = sum(budget.host.get(k, 0) for k in ("param_pool", "optimizer")) \
             if policy.pin_memory and torch.accelerator.is_available() else 0  # the I/O buffers are pinned
         check_resources(host_bytes=host - pinned, pinned_bytes=pinned, disk_bytes=disk, local_ranks=local_ranks,
+                        disk_credit=disk_credit,
                         what=f"{policy.describe()} (per rank: {budget.describe()}, plus activations)")
         return_freed_memory_to_os()  # host RAM is what offload saves: let freed tensors leave the RSS
         aio = AsyncIO.from_config(aio_cfg) if paths else None

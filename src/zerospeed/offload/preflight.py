@@ -70,7 +70,7 @@ def _existing(path: Path) -> Path:
 
 
 def check_resources(*, host_bytes: int = 0, pinned_bytes: int = 0, disk_bytes: dict | None = None,
-                    local_ranks: int = 1, what: str = "offload") -> None:
+                    local_ranks: int = 1, what: str = "offload", disk_credit: dict | None = None) -> None:
     """Raise OffloadResourceError, naming every shortfall with needed vs available and the fix, when this node
     cannot hold what its ranks will allocate. Call before allocating anything.
 
@@ -80,6 +80,9 @@ def check_resources(*, host_bytes: int = 0, pinned_bytes: int = 0, disk_bytes: d
     psutil.virtual_memory().available, and per file system (paths with the same st_dev are summed) against
     shutil.disk_usage(path).free. pinned_bytes of ONE rank is compared with the RLIMIT_MEMLOCK soft limit,
     which is per process (skipped when unlimited or pinned_bytes is 0). `what` names the feature in the message.
+    disk_credit: {path: bytes} THIS rank already wrote there and the run frees as it starts (the slices of
+    `zero.Init(remote_device="nvme")`, deleted as the strategy takes them over): local_ranks times that
+    is counted as free.
     Raises ValueError for negative sizes or local_ranks < 1.
     """
     disk_bytes = dict(disk_bytes or {})
@@ -108,9 +111,13 @@ def check_resources(*, host_bytes: int = 0, pinned_bytes: int = 0, disk_bytes: d
         entry = by_device.setdefault(os.stat(where).st_dev, [where, [], 0])
         entry[1].append(str(path))
         entry[2] += n
-    for where, paths, n in by_device.values():
+    credit: dict[int, int] = {}
+    for path, n in (disk_credit or {}).items():
+        dev = os.stat(_existing(Path(path))).st_dev
+        credit[dev] = credit.get(dev, 0) + n * local_ranks
+    for dev, (where, paths, n) in by_device.items():
         need = n * local_ranks
-        free = shutil.disk_usage(where).free
+        free = shutil.disk_usage(where).free + credit.get(dev, 0)
         if need > free:
             short.append(f"disk at {', '.join(paths)}: needs {format_bytes(need)}"
                          f"{per.format(format_bytes(n))} but {format_bytes(free)} is free; free disk space or "

@@ -224,8 +224,11 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())  # ranks on this node share its RAM and disk
     mine = [r for r, h in enumerate(hosts) if h == hosts[dist.get_rank()]]
+    from ..zero.stage3_init_spill import spilled_bytes
+
+    # zero.Init(remote_device="nvme")'s slices are on disk now and freed as the strategy takes them over
     return OffloadContext.create(opol, cfg.aio, rank=dist.get_rank(), local_ranks=len(mine), budget=budget,
-                                 clear_stale_files=dist.get_rank() == mine[0])
+                                 clear_stale_files=dist.get_rank() == mine[0], disk_credit=spilled_bytes())
 
 
 def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=None):

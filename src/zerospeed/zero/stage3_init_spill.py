@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -22,9 +23,19 @@ from ..offload.hostmem import return_freed_memory_to_os
 from ..offload.preflight import check_nvme_path
 from ..offload.swap import SwapSpace
 
-__all__ = ["InitSpill", "nvme_path_from_config"]
+__all__ = ["InitSpill", "nvme_path_from_config", "spilled_bytes"]
 
 _KEY = "zero_optimization.offload_param.nvme_path"
+_LIVE: "weakref.WeakSet[InitSpill]" = weakref.WeakSet()
+
+
+def spilled_bytes() -> dict[str, int]:
+    """{nvme_path: bytes} of the slices this process's Init spills hold now (the pre-flight counts them
+    as free: the strategy deletes each as it takes the parameter over)."""
+    out: dict[str, int] = {}
+    for spill in list(_LIVE):
+        out[str(spill.nvme_path)] = out.get(str(spill.nvme_path), 0) + spill.nbytes()
+    return out
 
 
 def nvme_path_from_config(config_dict_or_path, config=None) -> Path:
@@ -54,9 +65,15 @@ class InitSpill:
     def __init__(self, nvme_path: Path, *, rank: int):
         return_freed_memory_to_os()  # full values freed after their slices were cut must leave the RSS
         self.aio = AsyncIO()
+        self.nvme_path = nvme_path
         self.swap = SwapSpace(nvme_path, rank=rank, aio=self.aio)
         self.meta: dict[str, tuple[int, torch.dtype]] = {}
         self.detached = False
+        _LIVE.add(self)
+
+    def nbytes(self) -> int:
+        """Bytes of the slices on disk now."""
+        return sum(n * dtype.itemsize for n, dtype in self.meta.values())
 
     def put(self, key: str, local: torch.Tensor) -> None:
         buf = aligned_empty(local.numel(), local.dtype)
@@ -83,5 +100,6 @@ class InitSpill:
             self.close()
 
     def close(self) -> None:
+        _LIVE.discard(self)
         self.swap.close()
         self.aio.close()
