@@ -60,7 +60,8 @@ def model_config(name: str, seq_len: int) -> GPTConfig:
 
 
 def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path: str, buffer_size: int,
-                   precision: str = "fp32", param_buffers: int = 16, pipeline: bool = False) -> dict:
+                   precision: str = "fp32", param_buffers: int = 16, pipeline: bool = False,
+                   aio_threads: int = 1) -> dict:
     """bench/_systems.py's stage-3 config plus the offload sections (the same for both systems)."""
     cfg = _ds_config(stage=3, precision=precision, micro_batch=micro, world_size=world, deepspeed=system == "deepspeed")
     zero = cfg["zero_optimization"]
@@ -77,7 +78,7 @@ def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path:
                                  "buffer_size": buffer_size, "max_in_cpu": 0}
         # ... and still with 16 buffers while it keeps parameters gathered for reuse (stage3_max_reuse_distance 1e9)
         zero.update(stage3_prefetch_bucket_size=buffer_size, stage3_max_reuse_distance=0)
-        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": aio_threads, "single_submit": False,
                       "overlap_events": True}
     if system == "deepspeed" and mode != "mem":
         cfg["zero_force_ds_cpu_optimizer"] = False  # keep torch AdamW (no JIT-built CPU Adam), as bench_zero
@@ -214,7 +215,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     precision = split_model(args.model)[1]
     cfg = offload_config(system=args.system, mode=args.mode, micro=args.micro_batch, world=world,
                          nvme_path=args.nvme_path, buffer_size=largest, precision=precision,
-                         param_buffers=args.param_buffers, pipeline=args.pipeline)
+                         param_buffers=args.param_buffers, pipeline=args.pipeline, aio_threads=args.aio_threads)
     phases.phase = "build"
     model = build(args, world, cfg, mcfg)
     if args.ckpt:
@@ -297,6 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--param-buffers", type=int, default=16, help="offload_param.buffer_count")
     p.add_argument("--pipeline", action="store_true", help="offload_optimizer.pipeline_read/write")
+    p.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count (I/O threads per rank)")
     p.add_argument("--init-nvme", action="store_true", help='NVMe mode: Init(remote_device="nvme")')
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nvme-path", required=True)

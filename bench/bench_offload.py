@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--report", metavar="JSON", default=None, help="only re-render a saved run")
+    p.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count of the NVMe runs (both systems)")
     p.add_argument("--largest", action="store_true",
                    help=f"issue 22's run: zerospeed on --models {_largest.MODELS} (NVMe, checkpointing; _largest.py)")
     p.add_argument("--add-runs", metavar="JSON", nargs="*", default=[],
@@ -169,7 +170,7 @@ def run_all(args, stamp: str, logs: Path, data: Path, ds_skip: str | None) -> li
                    "--warmup", str(args.big_warmup if big else args.warmup),
                    "--micro-batch", str(args.micro_batch), "--seed", str(args.seed),
                    "--nvme-path", str(swap), "--data", str(data), "--result", str(result)]
-            cmd += _largest.WORKER_FLAGS if args.largest else []
+            cmd += (_largest.WORKER_FLAGS if args.largest else []) + ["--aio-threads", str(args.aio_threads)]
             load = os.getloadavg()[0]
             code, wall = launch(cmd, logs / f"{name}.log", args.timeout)
             left = _dir_bytes(swap)
