@@ -11,8 +11,8 @@ the first micro-step's gradient is written as it was reduced, in 2 bytes per ele
 divisor `post`), and turned into fp32 when read, as the in-memory path keeps it until the step: half
 the gradient I/O and disk (the paper's 2Ψ/N gradient partition) and the same numbers.
 
-What stays in memory: the gradient being written (one master's; `max_inflight` allows more) and one 8-byte sum of squares per master for
-the global norm (computed by the caller, `zero.clipping.sum_of_squares`, when it writes), so
+What stays in memory: the gradient being written (one master's; `max_inflight` allows more) and one
+8-byte sum of squares per master for the global norm (computed by the caller, `zero.clipping.sum_of_squares`, when it writes), so
 clipping never reads the gradients back. The clip coefficient and the loss-scale division are kept
 as `scales` and applied to each tile when the step reads it, in the order the in-memory path applies
 them (the same fp32 roundings).
@@ -44,7 +44,6 @@ class SwappedGrads:
         self.low: dict[int, tuple[torch.dtype, float]] = {}  # m -> (2-byte dtype, post) of a gradient stored so
         self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()
         self.scales: list = []  # multipliers (float or 0-d tensor) applied in order when the step reads a tile
-        self.bytes_written = 0
 
     @staticmethod
     def key(m: int) -> str:
@@ -69,7 +68,6 @@ class SwappedGrads:
         else:
             self.low[m] = (grad.dtype, post)
         self.writes[m] = (self.swap.write(self.key(m), grad), grad)
-        self.bytes_written += grad.numel() * grad.element_size()
         while len(self.writes) > 1 and self.inflight_bytes() > self.max_inflight:
             self._wait(next(iter(self.writes)))
 

@@ -56,6 +56,22 @@ def _row_pieces(offset: int, numel: int, row: int):
         e += n
 
 
+def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
+    """A reduced 2-byte gradient as the fp32 accumulator value: float(low) x (1 / post)."""
+    return torch.mul(low.to(dtype), 1.0 / post)
+
+
+def _add_reduced(grad: torch.Tensor, reduced: torch.Tensor, post: float) -> None:
+    """grad += reduced / post for a later micro-step: a 2-byte `reduced` is added with alpha 1/post,
+    an fp32 one (scratch: divided in place) divided first - the roundings of both gradient paths."""
+    if reduced.dtype != grad.dtype:
+        grad.add_(reduced, alpha=1.0 / post)
+        return
+    if post != 1.0:
+        reduced.div_(post)
+    grad.add_(reduced)
+
+
 def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, predivide: float):
     """One reduce-scatter for the gradients of several units (a `reduce_bucket_size` bucket, as
     DeepSpeed's stage-3 ipg bucket). The bucket is rank-major, [world, sum of shard_numel]: row r
@@ -278,12 +294,8 @@ class ShardedUnit:
         grad = self.shard.grad
         if grad is None:  # the same roundings as adding into zeros below
             self.shard.grad = torch.div(reduced, post) if post != 1.0 else (reduced if owned else reduced.clone())
-        elif reduced.dtype != grad.dtype:
-            grad.add_(reduced, alpha=1.0 / post)
         else:
-            if post != 1.0:
-                reduced.div_(post)
-            grad.add_(reduced)
+            _add_reduced(grad, reduced, post)
 
     def _accumulate_swapped(self, reduced: torch.Tensor, post: float) -> None:
         """`accumulate` with the gradient on NVMe (`grad_store`, a `SwappedGrads`): the first micro-step
@@ -295,8 +307,7 @@ class ShardedUnit:
         if grad is None and reduced.dtype != self.master_dtype:  # kept in 2 bytes, as `lp_grad` in memory
             low = store.buffer(n, reduced.dtype)
             low.copy_(reduced)
-            value = torch.mul(low.to(self.master_dtype), 1.0 / post)
-            store.write(m, low, sum_of_squares([value]), post=post)
+            store.write(m, low, sum_of_squares([_widened(low, self.master_dtype, post)]), post=post)
             return
         if grad is None:
             grad = store.buffer(n)
@@ -304,19 +315,14 @@ class ShardedUnit:
                 torch.div(reduced.to(grad.device), post, out=grad)
             else:
                 grad.copy_(reduced)
-        elif reduced.dtype != grad.dtype:
-            grad.add_(reduced.to(grad.device), alpha=1.0 / post)
-        else:
-            reduced = reduced.to(grad.device)  # the bucket's slice (scratch) or a host copy: divided in place
-            if post != 1.0:
-                reduced.div_(post)
-            grad.add_(reduced)
+        else:  # the bucket's slice (scratch) or a host copy
+            _add_reduced(grad, reduced.to(grad.device), post)
         store.write(m, grad, sum_of_squares([grad]))
 
     def materialize_grad(self) -> None:
         """Turn a kept low-precision gradient (`lp_grad`) into the fp32 `shard.grad` (times 1/post)."""
         if self.lp_grad is not None:
-            self.shard.grad = torch.mul(self.lp_grad.to(self.master_dtype), 1.0 / self._lp_grad_post)
+            self.shard.grad = _widened(self.lp_grad, self.master_dtype, self._lp_grad_post)
             self.lp_grad = None
 
     # -- whole-unit helpers -------------------------------------------------------------------
