@@ -29,6 +29,7 @@ SWAP = "zerospeed_swap"
 
 # (name, stage, precision, offload_optimizer, offload_param, extra zero keys)
 NVME_OPT = {"device": "nvme", "pipeline_read": True, "pipeline_write": True}
+SUPER = {**NVME_OPT, "super_offload": True}
 CASES = [
     ("s1-cpu", 1, "fp32", {"device": "cpu"}, None, {}),
     ("s1-nvme", 1, "fp32", {"device": "nvme"}, None, {"sub_group_size": 20_000}),
@@ -47,13 +48,23 @@ CASES = [
     ("s3-nvme-gas2", 3, "fp32-gas2", NVME_OPT, {"device": "nvme", "max_in_cpu": 0}, {"sub_group_size": 9_000}),
     ("s3-nvme-bf16-gas2", 3, "bf16-gas2", {"device": "nvme"}, None, {"sub_group_size": 9_000}),
     ("s3-nvme-fp16", 3, "fp16", {"device": "nvme"}, None, {"sub_group_size": 9_000}),
+    # super_offload: without clipping each master steps in the backward as its gradient is reduced (from the
+    # second step on); with clipping the step waits for engine.step() (the same numbers either way)
+    ("s3-super", 3, "fp32-noclip", SUPER, {"device": "nvme", "max_in_cpu": 0, "buffer_count": 3},
+     {"sub_group_size": 9_000}),
+    ("s3-super-bf16-gas2", 3, "bf16-gas2-noclip", SUPER, {"device": "nvme", "max_in_cpu": 0},
+     {"sub_group_size": 9_000}),
+    ("s3-super-clipped", 3, "fp32", SUPER, None, {"sub_group_size": 9_000}),
 ]
 REFS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"), (3, "fp32-gas2"), (3, "bf16-gas2"),
-        (3, "fp16")]
+        (3, "fp16"), (3, "fp32-noclip"), (3, "bf16-gas2-noclip")]
 
 
 def ds_config(stage, precision, opt=None, par=None, extra=None, nvme_path=None, micro=2):
-    """precision: "fp32" | "bf16" | "fp16", "-gas2" appended for 2 micro-steps of micro / 2 each."""
+    """precision: "fp32" | "bf16" | "fp16", "-gas2" appended for 2 micro-steps of micro / 2 each, then
+    "-noclip" for gradient_clipping 0 and no bf16 overflow check (the step then needs no global quantity)."""
+    clip = 0.0 if precision.endswith("-noclip") else 0.05  # 0.05 is below the gradient norm: clipping acts
+    noclip, precision = precision.endswith("-noclip"), precision.removesuffix("-noclip")
     precision, gas2, gas = precision.removesuffix("-gas2"), precision.endswith("-gas2"), 1
     if gas2:
         micro, gas = micro // 2, 2
@@ -64,9 +75,10 @@ def ds_config(stage, precision, opt=None, par=None, extra=None, nvme_path=None, 
             zero[key] = {**sec, **({"nvme_path": str(nvme_path)} if sec["device"] == "nvme" else {})}
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "gradient_clipping": 0.05, "zero_optimization": zero}  # below the gradient norm: clipping acts
+           "gradient_clipping": clip, "zero_optimization": zero}
     if precision != "fp32":
-        cfg[precision] = {"enabled": True, **({"initial_scale_power": 12} if precision == "fp16" else {})}
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 12} if precision == "fp16" else {}),
+                          **({"check_grad_overflow": False} if noclip and precision == "bf16" else {})}
     return cfg
 
 
@@ -80,8 +92,11 @@ def _train(cfg, world, steps=STEPS):
     mem = engine.memory_breakdown()
     swap_dirs = [str(sp.path) for sp in engine.offload.swaps.values()] if engine.offload else []
     disk = engine.offload.disk_bytes() if engine.offload else 0
+    steps = getattr(s, "_backward_steps", None)
+    tiles = len(s.swapped.tiles) if getattr(s, "swapped", None) is not None else 0
     engine.destroy()
     return {"losses": losses, "state": {k: v.float() for k, v in state.items()}, "memory": mem,
+            "in_backward": steps.stepped if steps is not None else 0, "tiles": tiles,
             "disk": disk, "dirs_left": [d for d in swap_dirs if os.path.exists(d)], "had_dirs": len(swap_dirs)}
 
 
@@ -109,6 +124,17 @@ def test_offload_matches_in_memory(results, case):
         assert max_rel_diff(got["losses"], ref["losses"]) <= TOL
         assert state_max_rel_diff(got["state"], ref["state"]) <= TOL
         assert got["dirs_left"] == [], "swap files must be removed by engine.destroy()"
+
+
+def test_super_offload_steps_in_backward(results):
+    """super_offload without clipping: from the second step on, every tile is stepped in the backward (the
+    first step learns the optimizer's states at engine.step()); with clipping none is."""
+    res, _ = results
+    for rank in (0, 1):
+        for name in ("s3-super", "s3-super-bf16-gas2"):
+            got = res[rank][name]
+            assert got["tiles"] > 1 and got["in_backward"] == (STEPS - 1) * got["tiles"], name
+        assert res[rank]["s3-super-clipped"]["in_backward"] == 0
 
 
 def test_offload_memory_and_disk(results):

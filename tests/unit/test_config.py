@@ -166,9 +166,21 @@ def test_unsupported_keys_at_their_default_are_accepted(key, value):
 
 @pytest.mark.parametrize("zero", [{"zero_quantized_weights": True}, {"zero_quantized_gradients": True},
                                   {"zero_hpz_partition_size": 8}, {"zenflow": {"topk_ratio": 0.1}},
-                                  {"legacy_stage1": True}, {"offload_optimizer": {"device": "cpu", "super_offload": True}}])
+                                  {"legacy_stage1": True}])
 def test_unsupported_zero_values(zero):
     assert "zerospeed does not support yet" in error({**BASE, "zero_optimization": {"stage": 3, **zero}})
+
+
+@pytest.mark.parametrize("stage,device", [(3, "cpu"), (2, "nvme")])
+def test_super_offload_needs_stage3_nvme(stage, device, tmp_path):
+    opt = {"device": device, "super_offload": True, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    msg = error({**BASE, "zero_optimization": {"stage": stage, "offload_optimizer": opt}})
+    assert "offload_optimizer.super_offload" in msg and f"not stage {stage} with device '{device}'" in msg
+
+
+def test_super_offload_with_nvme_is_accepted(tmp_path):
+    opt = {"device": "nvme", "nvme_path": str(tmp_path), "super_offload": True}
+    assert cfg(zero_optimization={"stage": 3, "offload_optimizer": opt}).zero_optimization.offload_optimizer.super_offload
 
 
 def test_all_problems_are_reported_together():

@@ -73,7 +73,10 @@ class OffloadOptimizerConfig(ConfigModel):
     ratio: float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of optimizer states offloaded (partial offload, < 1 needs stage 3). Default 1.0."""
     super_offload: bool = False
-    """SuperOffload for superchips (not supported by zerospeed yet)."""
+    """Step each sub-group during the boundary micro-step's backward, as soon as its gradient is reduced, so the
+    step overlaps the backward (DeepSpeed's SuperOffload). zerospeed: stage 3 with device "nvme" only; the
+    in-backward step runs when the step needs no global quantity (gradient_clipping 0, bf16/fp32 without
+    check_grad_overflow), else the step runs at engine.step() as without it (DeepSpeed speculates and rolls back)."""
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
     """Fraction of CPU cores used by the CPU optimizer (default 0.8)."""
 
@@ -276,8 +279,12 @@ class ZeroConfig(ConfigModel):
             if getattr(self, key) != default:
                 issues.append(((key,), unsupported_message(key, default)))
         opt, par = self.offload_optimizer, self.offload_param
-        if opt is not None and opt.super_offload:
-            issues.append((("offload_optimizer", "super_offload"), unsupported_message("super_offload", False)))
+        if opt is not None and opt.super_offload and (self.stage != 3 or opt.device != "nvme"):
+            issues.append((("offload_optimizer", "super_offload"),
+                           f"super_offload (each optimizer sub-group stepped during the backward, as its gradient "
+                           f"is reduced) is supported with stage 3 and offload_optimizer.device \"nvme\", not stage "
+                           f"{self.stage} with device {opt.device!r}; remove super_offload or offload the optimizer "
+                           "to NVMe (DeepSpeed's own super_offload needs CUDA)"))
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             issues.append((("offload_optimizer", "ratio"),
                            f"partial offload (ratio={opt.ratio}) is only supported with stage 3, "

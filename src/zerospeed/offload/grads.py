@@ -44,6 +44,10 @@ class SwappedGrads:
         self.low: dict[int, tuple[torch.dtype, float]] = {}  # m -> (2-byte dtype, post) of a gradient stored so
         self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()
         self.scales: list = []  # multipliers (float or 0-d tensor) applied in order when the step reads a tile
+        # super_offload: a callable(m, fp32 grad) that steps master m in the backward instead of writing its
+        # gradient (`BackwardSteps.submit`), set for the boundary micro-step only; the masters it took
+        self.consumer = None
+        self.consumed: set[int] = set()
 
     @staticmethod
     def key(m: int) -> str:
@@ -71,6 +75,17 @@ class SwappedGrads:
         while len(self.writes) > 1 and self.inflight_bytes() > self.max_inflight:
             self._wait(next(iter(self.writes)))
 
+    def consume(self, m: int, grad: torch.Tensor, squares: torch.Tensor) -> None:
+        """Hand master m's final fp32 gradient `grad` to `consumer` (it steps now; nothing is written) and
+        keep its sum of squares for the norm. Raises RuntimeError without a consumer."""
+        if self.consumer is None:
+            raise RuntimeError("SwappedGrads.consume() without a consumer")
+        self._wait(m)
+        self.squares[m] = squares
+        self.low.pop(m, None)
+        self.consumed.add(m)
+        self.consumer(m, grad)
+
     def read(self, m: int, numel: int) -> torch.Tensor | None:
         """Master m's gradient as a fresh host tensor [numel] (read now, unscaled), or None if it has none."""
         if not self.has(m):
@@ -82,7 +97,11 @@ class SwappedGrads:
     def read_rows(self, m: int, start: int, into: torch.Tensor):
         """Start reading master m's gradient elements [start, start + into.numel()) into `into` (an fp32
         buffer view); returns a handle whose wait() leaves the fp32 values there (a 2-byte gradient is
-        read into a staging buffer and converted). The caller checks `has(m)` first."""
+        read into a staging buffer and converted). The caller checks `has(m)` first. Raises RuntimeError
+        for a gradient the optimizer already consumed in the backward (super_offload)."""
+        if m in self.consumed:
+            raise RuntimeError(f"the gradient of optimizer master {m} was consumed by the step during the backward "
+                               "(offload_optimizer.super_offload): it is not kept after the optimizer used it")
         self._wait(m)
         if m not in self.low:
             return self.swap.read(self.key(m), into, start * into.element_size())
@@ -124,6 +143,8 @@ class SwappedGrads:
         self.squares.clear()
         self.low.clear()
         self.scales.clear()
+        self.consumed.clear()
+        self.consumer = None
 
     def _wait(self, m: int) -> None:
         entry = self.writes.pop(m, None)

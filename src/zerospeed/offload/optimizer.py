@@ -75,6 +75,7 @@ class SwappedOptimizer:
         self.num_groups = num_groups
         self.sub_group_size = max(1, int(sub_group_size))
         self.tiles: list[_Tile] = []
+        self._by_master: dict[int, list[int]] | None = None  # master -> its tile indices (tiles_of)
         self.master_shapes: list[torch.Size] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._sets: list[list[torch.Tensor]] = []   # buffer sets: [master, state 0, state 1, ...]
@@ -95,6 +96,7 @@ class SwappedOptimizer:
             raise ValueError(f"ranges {ranges} do not tile dim 0 of a master of shape {tuple(values.shape)}")
         m = len(self.master_shapes)
         self.master_shapes.append(values.shape)
+        self._by_master = None
         row = math.prod(values.shape[1:])
         per = max(1, self.sub_group_size // max(row, 1))
         staging = None
@@ -126,6 +128,14 @@ class SwappedOptimizer:
             raise ValueError("with offload_optimizer.device=nvme the optimizer must be built over exactly the "
                              "tensors it is given (one per optimizer tile); a callable optimizer must use its params")
         return self.optimizer
+
+    def tiles_of(self, m: int) -> list[int]:
+        """Indices (in `tiles`) of master m's tiles, in row order."""
+        if self._by_master is None:
+            self._by_master = {}
+            for i, t in enumerate(self.tiles):
+                self._by_master.setdefault(t.master, []).append(i)
+        return self._by_master.get(m, [])
 
     @property
     def max_tile(self) -> int:
@@ -168,12 +178,13 @@ class SwappedOptimizer:
         return handles
 
     # -- the step -----------------------------------------------------------------------------------
-    def step(self, grads, write_param: Callable[[int, tuple[int, int], torch.Tensor], None]) -> None:
+    def step(self, grads, write_param: Callable[[int, tuple[int, int], torch.Tensor], None],
+             skip: set[int] = frozenset()) -> None:
         """One optimizer step over every tile. grads: a list, grads[m] the gradient of master m (its
         shape, any device; already reduced, unscaled and clipped), or a `SwappedGrads` holding them
         on disk (each tile's rows are read with its master; its `scales` unscale and clip them).
         write_param(m, rows, values): copy the updated master rows `values` ([rows, ...] fp32, host)
-        into the compute parameters."""
+        into the compute parameters. skip: indices of tiles already stepped (`BackwardSteps`)."""
         if self.optimizer is None:
             raise RuntimeError("SwappedOptimizer.step() before build()")
         if isinstance(grads, SwappedGrads):
@@ -181,20 +192,23 @@ class SwappedOptimizer:
         if self._nstates is None:
             self._first_step(grads, write_param)
             return
+        tiles = [t for i, t in enumerate(self.tiles) if i not in skip]
+        if not tiles:
+            return
         swapped = isinstance(grads, SwappedGrads)
         sets = self._buffers(1 + self._nstates + swapped)
         writes: list[list] = [[] for _ in sets]
-        reads = self._read(self.tiles[0], sets[0], grads) if self.tiles else []
-        for i, tile in enumerate(self.tiles):
+        reads = self._read(tiles[0], sets[0], grads)
+        for i, tile in enumerate(tiles):
             cur, nxt = i % len(sets), (i + 1) % len(sets)
             for h in reads:
                 h.wait()
             reads = []
-            if self.pipeline and i + 1 < len(self.tiles):  # read the next tile while this one steps
+            if self.pipeline and i + 1 < len(tiles):  # read the next tile while this one steps
                 for h in writes[nxt]:
                     h.wait()
                 writes[nxt] = []
-                reads = self._read(self.tiles[i + 1], sets[nxt], grads)
+                reads = self._read(tiles[i + 1], sets[nxt], grads)
             self._bind(tile, sets[cur])
             self._step_bound(tile, self._tile_grad(tile, grads, sets[cur][-1] if swapped else None), write_param)
             self._unbind(tile)
@@ -203,8 +217,8 @@ class SwappedOptimizer:
                 for h in writes[cur]:
                     h.wait()
                 writes[cur] = []
-                if i + 1 < len(self.tiles):
-                    reads = self._read(self.tiles[i + 1], sets[nxt], grads)
+                if i + 1 < len(tiles):
+                    reads = self._read(tiles[i + 1], sets[nxt], grads)
         for hs in writes:
             for h in hs:
                 h.wait()

@@ -31,6 +31,9 @@ class OffloadPolicy:
     param_buffer_count / param_buffer_size: the pool of host buffers NVMe parameter shards are read
     into (count, elements each); a gather unit's shard must fit one buffer.
     max_in_cpu: elements of NVMe-offloaded parameter shards kept resident in host memory.
+    super_offload: step each optimizer tile during the boundary backward as its gradient is reduced
+    (`offload_optimizer.super_offload`; stage 3, optimizer on NVMe; only when the step needs no global
+    quantity: no gradient clipping, no overflow check), see `backward_steps.py`.
     """
 
     optimizer: str = "none"
@@ -43,6 +46,7 @@ class OffloadPolicy:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
+    super_offload: bool = False
 
     @classmethod
     def from_config(cls, zero_cfg) -> OffloadPolicy:
@@ -51,7 +55,7 @@ class OffloadPolicy:
         kw = {"sub_group_size": int(zero_cfg.sub_group_size)}
         if opt is not None and opt.enabled:
             kw.update(optimizer=opt.device, optimizer_nvme_path=opt.nvme_path, pin_memory=opt.pin_memory,
-                      pipeline=opt.pipeline)
+                      pipeline=opt.pipeline, super_offload=opt.super_offload)
         if par is not None and par.enabled:
             kw.update(param=par.device, param_nvme_path=par.nvme_path, param_buffer_count=par.buffer_count,
                       param_buffer_size=par.buffer_size, max_in_cpu=par.max_in_cpu)

@@ -115,6 +115,8 @@ class ZeroSpeedEngine(nn.Module):
         reduce = (self.is_gradient_accumulation_boundary() or self.strategy.reduce_every_micro_step) and not self._in_no_sync
         if reduce:
             self.strategy.arm()
+            if self.is_gradient_accumulation_boundary() and self._step_needs_no_global():
+                self.strategy.step_in_backward()  # super_offload: the optimizer steps while backward runs
         timers = self.telemetry.timers
         timers.start("bwd_inner")
         try:
@@ -130,6 +132,11 @@ class ZeroSpeedEngine(nn.Module):
             self.strategy.finish()
             timers.stop("bwd_allreduce")
         return loss
+
+    def _step_needs_no_global(self) -> bool:
+        """The optimizer step depends on no quantity of the whole gradient: no clipping, no overflow vote,
+        loss scale 1 (so each sub-group may step as soon as its own gradient is reduced)."""
+        return not self._clip and not self._check_overflow and self.loss_scaler.loss_scale == 1.0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the current fp16 loss scale (unchanged in bf16 / fp32), for users who call

@@ -442,6 +442,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         policy=policy, loss_scaler=build_loss_scaler(cfg.fp16),
         check_overflow=cfg.fp16.enabled or (cfg.bf16.enabled and cfg.bf16.check_grad_overflow),
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
+    _warn_super_offload(cfg, engine)
     if pipeline:
         engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties)
         engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
@@ -464,3 +465,16 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if telemetry.profiler is not None:
         telemetry.profiler.ds_engine = engine
     return engine, opt, loader, sched
+
+
+def _warn_super_offload(cfg, engine) -> None:
+    """super_offload steps in the backward only when the step needs no global quantity: say why it cannot."""
+    opt = cfg.zero_optimization.offload_optimizer
+    if opt is None or not opt.super_offload or engine._step_needs_no_global():
+        return
+    why = [w for w, on in (("gradient_clipping > 0", bool(cfg.gradient_clipping)), ("fp16", cfg.fp16.enabled),
+                           ("bf16.check_grad_overflow", cfg.bf16.enabled and cfg.bf16.check_grad_overflow)) if on]
+    log.warning("offload_optimizer.super_offload: the optimizer step runs at engine.step(), not during the backward, "
+                "because the step needs the whole gradient (%s; zerospeed does not step speculatively and roll back "
+                "as DeepSpeed does); the numbers are the same either way", ", ".join(why))
+

@@ -29,6 +29,7 @@ from ..comm.logger import CommsLogger
 from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
 from ..offload.grads import SwappedGrads
+from ..offload.backward_steps import BackwardSteps
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
@@ -118,6 +119,7 @@ class Stage3Strategy(ZeroStrategy):
             self.units.append(u)
         self._swapped_units = [u for u in self.units if u.master_store is not None]
         self._lp_stage: torch.Tensor | None = None
+        self._backward_steps: BackwardSteps | None = None  # super_offload
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
         for p in self._frozen:  # frozen parameters stay whole on every rank (Init may have partitioned them)
             if init.init_shard(p) is not None:
@@ -278,7 +280,29 @@ class Stage3Strategy(ZeroStrategy):
         self._phase = ReducePhase.FINISHED
 
     def disarm(self) -> None:
+        self._end_backward_steps()  # (a backward that raised: the masters it stepped stay stepped)
         self._phase = ReducePhase.IDLE
+
+    def step_in_backward(self) -> bool:
+        """super_offload with the optimizer on NVMe: each master is stepped as its gradient is reduced in
+        this backward (`offload.backward_steps`), from the second step on (the first learns the states)."""
+        if self.swapped is None or not self.offload.policy.super_offload or self.swapped._nstates is None:
+            return False
+        if self._backward_steps is None:
+            self._backward_steps = BackwardSteps(self.swapped, self._write_tile, sets=3)
+        self._backward_steps.reset()
+        self.grad_store.consumer = self._backward_steps.submit
+        self.scheduler.poll = self._backward_steps.poll
+        return True
+
+    def _end_backward_steps(self) -> set[int]:
+        """Finish the tiles stepped in the backward (if any); returns their indices."""
+        if self.scheduler.poll is None:
+            return set()
+        self.scheduler.poll = None
+        if self.grad_store is not None:
+            self.grad_store.consumer = None
+        return self._backward_steps.finish()
 
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
         """Divide the shard gradients by `loss_scale`; global 2-norm of the gradient over all ranks'
@@ -341,7 +365,7 @@ class Stage3Strategy(ZeroStrategy):
             return
         self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
-            self.swapped.step(self.grad_store, self._write_tile)
+            self.swapped.step(self.grad_store, self._write_tile, skip=self._end_backward_steps())
         else:
             self.bind_segments()
             self.optimizer.step()
@@ -352,6 +376,7 @@ class Stage3Strategy(ZeroStrategy):
     def zero_grad(self) -> None:
         """Drop the shard gradients (set to None, as torch's `zero_grad(set_to_none=True)`: 4Ψ/N bytes
         are free from the step to the next backward) and any full gradients."""
+        self._end_backward_steps()
         for u in self.units:
             u.shard.grad = u.lp_grad = None
             for sp in u.params:
@@ -379,6 +404,8 @@ class Stage3Strategy(ZeroStrategy):
         states = _optimizer_state_bytes(self.optimizer)
         if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)
             states = self.swapped.resident_bytes()
+            if self._backward_steps is not None:
+                states += self._backward_steps.resident_bytes()
         if self.param_swapper is not None:  # the shard read buffers (shards kept in RAM are counted above)
             params += self.param_swapper.pool.nbytes
         return {"params": params, "grads": grads, "optimizer_states": states, "master_weights": masters}

@@ -304,6 +304,13 @@ class ShardedUnit:
         (the in-memory path's operations) and writes fp32. Each write carries its sum of squares."""
         m, n, store = self.master_index, self.layout.shard_numel, self.grad_store
         grad = store.read(m, n)
+        consume = store.consumer is not None and self.status is ParamStatus.SHARDED and not self.pins
+        if grad is None and reduced.dtype != self.master_dtype and consume:  # its fp32 value, straight to the step
+            grad = store.buffer(n)
+            grad.copy_(reduced)
+            grad.mul_(1.0 / post)  # `_widened`'s operations
+            store.consume(m, grad, sum_of_squares([grad]))
+            return
         if grad is None and reduced.dtype != self.master_dtype:  # kept in 2 bytes, as `lp_grad` in memory
             low = store.buffer(n, reduced.dtype)
             low.copy_(reduced)
@@ -317,7 +324,10 @@ class ShardedUnit:
                 grad.copy_(reduced)
         else:  # the bucket's slice (scratch) or a host copy
             _add_reduced(grad, reduced.to(grad.device), post)
-        store.write(m, grad, sum_of_squares([grad]))
+        if consume:  # super_offload: the optimizer steps this master now, in the backward
+            store.consume(m, grad, sum_of_squares([grad]))
+        else:
+            store.write(m, grad, sum_of_squares([grad]))
 
     def materialize_grad(self) -> None:
         """Turn a kept low-precision gradient (`lp_grad`) into the fp32 `shard.grad` (times 1/post)."""

@@ -117,6 +117,7 @@ class GatherScheduler:
         self._external: dict[nn.Module, list[ShardedUnit]] = {}
         self.peak_live = 0  # most elements gathered at once so far (full buffers, padded)
         self.on_forward_start = lambda: None
+        self.poll = None  # called at every parameter's gradient hook (super_offload's `BackwardSteps.poll`)
         modules = dict(module.named_modules())
         self.hooks = [module.register_forward_pre_hook(self._root_pre_forward),
                       module.register_forward_hook(self._root_post_forward, always_call=True)]
@@ -309,6 +310,8 @@ class GatherScheduler:
 
     def _on_grad(self, sp: ShardedParam, param: torch.Tensor) -> None:
         self._queue_end_of_backward()
+        if self.poll is not None:
+            self.poll()
         u = sp.unit
         self._grads_ready[u.index] += 1
         if self._grads_ready[u.index] >= len(u.params) and u.index not in self._reduced:

@@ -95,6 +95,12 @@ class ZeroStrategy(abc.ABC):
     @abc.abstractmethod
     def disarm(self) -> None: ...
 
+    def step_in_backward(self) -> bool:
+        """Called by the engine before the boundary micro-step's backward when the step needs no global
+        quantity (no clipping, no overflow check, loss scale 1): a strategy that can step the optimizer
+        during the backward (`offload_optimizer.super_offload`) arms it and returns True. Default: False."""
+        return False
+
     @abc.abstractmethod
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
         """Divide the reduced gradients by `loss_scale`, return their global 2-norm (inf/nan if
