@@ -16,6 +16,7 @@ swap files against the predicted disk bytes.
 from __future__ import annotations
 
 MODELS = "big:20x2048@bf16,big:20x2048,big:26x2560@bf16,big:26x2560,big:52x2560@bf16,big:44x2560"
+# a model key's '+super' suffix: offload_optimizer.super_offload (the optimizer steps during the backward)
 WORKER_FLAGS = ["--ckpt", "--init-nvme", "--pipeline", "--param-buffers", "8"]
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -25,7 +26,7 @@ def disk_need(model: str, world: int = 2) -> int:
     from zerospeed.offload import OffloadPolicy
     from zerospeed.offload.budget import rank_budget
 
-    name, _, precision = model.partition("@")
+    name, _, precision = model.partition("+")[0].partition("@")
     layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
     numel = layers * (12 * width * width + 2 * width) + 2 * 256 * width + width
     pol = OffloadPolicy(optimizer="nvme", param="nvme", max_in_cpu=0, sub_group_size=10_000_000)
@@ -42,7 +43,9 @@ def markdown(saved: dict) -> str:
              f"checkpointing, Init(remote_device='nvme'); {saved['machine']}; load avg "
              f"{min(saved['loads']):.1f}-{max(saved['loads']):.1f}",
              "",
-             f"Raw O_DIRECT bandwidth, MB/s read / write: dd {raw['dd_read']:,.0f} / {raw['dd_write']:,.0f}; AsyncIO 1 "
+             f"Raw O_DIRECT bandwidth, MB/s read / write: dd {raw['dd_read']:,.0f} / {raw['dd_write']:,.0f}; "
+             + (f"{raw['streams']} dd at once (aggregate) {raw['ddN_read']:,.0f} / {raw['ddN_write']:,.0f}; "
+                if "ddN_read" in raw else "") + f"AsyncIO 1 "
              f"worker {raw['aio1_read']:,.0f} / {raw['aio1_write']:,.0f}; 8 workers {raw['aio8_read']:,.0f} / "
              f"{raw['aio8_write']:,.0f}; best {raw['best_read']:,.0f} / {raw['best_write']:,.0f} (the I/O bound uses these).",
              "",

@@ -44,9 +44,24 @@ def InitGPT(cfg: GPTConfig) -> GPT:  # noqa: N802 - named like the class it buil
 
 
 def split_model(name: str) -> tuple[str, str]:
-    """'big:52x2560@bf16' -> ('big:52x2560', 'bf16'); no '@': fp32."""
-    model, _, precision = name.partition("@")
+    """'big:52x2560@bf16' -> ('big:52x2560', 'bf16'); no '@': fp32; a '+variant' suffix is dropped."""
+    model, _, precision = name.partition("+")[0].partition("@")
     return model, precision or "fp32"
+
+
+def variants(name: str) -> set[str]:
+    """'big:52x2560@bf16+super' -> {'super'}: offload_optimizer.super_offload (the step in the backward;
+    bf16 then without check_grad_overflow, which would keep the step at engine.step()). '+nourgent' (an A/B
+    of zerospeed's I/O, not a setting): parameter-shard reads queue behind the other transfers. '+nodefer' (an
+    A/B too): super_offload steps every layer in the backward, none in the next forward."""
+    return set(name.split("+")[1:])
+
+
+def _no_urgent_reads() -> None:
+    from zerospeed.offload.swap import SwapSpace
+
+    read = SwapSpace.read
+    SwapSpace.read = lambda self, key, into, offset=0, urgent=False: read(self, key, into, offset)
 
 
 def model_config(name: str, seq_len: int) -> GPTConfig:
@@ -61,7 +76,7 @@ def model_config(name: str, seq_len: int) -> GPTConfig:
 
 def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path: str, buffer_size: int,
                    precision: str = "fp32", param_buffers: int = 16, pipeline: bool = False,
-                   aio_threads: int = 1) -> dict:
+                   aio_threads: int = 1, super_offload: bool = False) -> dict:
     """bench/_systems.py's stage-3 config plus the offload sections (the same for both systems)."""
     cfg = _ds_config(stage=3, precision=precision, micro_batch=micro, world_size=world, deepspeed=system == "deepspeed")
     zero = cfg["zero_optimization"]
@@ -78,6 +93,10 @@ def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path:
                                  "buffer_size": buffer_size, "max_in_cpu": 0}
         # ... and still with 16 buffers while it keeps parameters gathered for reuse (stage3_max_reuse_distance 1e9)
         zero.update(stage3_prefetch_bucket_size=buffer_size, stage3_max_reuse_distance=0)
+        if super_offload:
+            zero["offload_optimizer"]["super_offload"] = True
+            if precision == "bf16":
+                cfg["bf16"]["check_grad_overflow"] = False
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": aio_threads, "single_submit": False,
                       "overlap_events": True}
     if system == "deepspeed" and mode != "mem":
@@ -215,7 +234,13 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     precision = split_model(args.model)[1]
     cfg = offload_config(system=args.system, mode=args.mode, micro=args.micro_batch, world=world,
                          nvme_path=args.nvme_path, buffer_size=largest, precision=precision,
-                         param_buffers=args.param_buffers, pipeline=args.pipeline, aio_threads=args.aio_threads)
+                         param_buffers=args.param_buffers, pipeline=args.pipeline, aio_threads=args.aio_threads,
+                         super_offload="super" in variants(args.model))
+    if "nourgent" in variants(args.model):
+        _no_urgent_reads()
+    if "nodefer" in variants(args.model):
+        import zerospeed.zero.stage3 as stage3
+        stage3.FORWARD_SHARE = 0.0
     phases.phase = "build"
     model = build(args, world, cfg, mcfg)
     if args.ckpt:

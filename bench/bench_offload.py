@@ -76,9 +76,24 @@ def _dd(args: list[str]) -> float:
     return int(m.group(1)) / float(m.group(2)) / 1e6
 
 
-def raw_bandwidth(path: Path, gib: float) -> dict:
-    """Sequential O_DIRECT write then read of a `gib` GiB file in `path`: dd (bs=1M, one stream) and
-    zerospeed's AsyncIO (1 MiB pieces, 1 worker thread vs 8). MB/s; the file is removed."""
+def _dd_parallel(arg_lists: list[list[str]]) -> float:
+    """Aggregate MB/s of dd processes run at the same time: their bytes over the wall time of all."""
+    t = time.perf_counter()
+    procs = [subprocess.Popen(["dd", *a], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for a in arg_lists]
+    moved = 0
+    for p in procs:
+        err = p.communicate()[1]
+        if p.returncode:
+            raise subprocess.CalledProcessError(p.returncode, p.args, stderr=err)
+        moved += int(re.search(r"(\d+) bytes .* copied", err).group(1))
+    return moved / (time.perf_counter() - t) / 1e6
+
+
+def raw_bandwidth(path: Path, gib: float, streams: int = 2) -> dict:
+    """Sequential O_DIRECT write then read of a `gib` GiB file in `path`: dd (bs=1M, one stream), `streams`
+    dd processes at once on their own files (aggregate: the disk as the ranks share it), and zerospeed's
+    AsyncIO (1 MiB pieces, 1 worker thread vs 8). MB/s; the files are removed."""
     import torch
 
     from zerospeed.offload.aio import AsyncIO, aligned_empty
@@ -90,6 +105,15 @@ def raw_bandwidth(path: Path, gib: float) -> dict:
     try:
         out["dd_write"] = _dd(["if=/dev/zero", f"of={f}", "bs=1M", f"count={count}", "oflag=direct", "conv=fsync"])
         out["dd_read"] = _dd([f"if={f}", "of=/dev/null", "bs=1M", "iflag=direct"])
+        files = [path / f"raw_bandwidth_{i}.bin" for i in range(streams)]
+        try:
+            out["ddN_write"] = _dd_parallel([["if=/dev/zero", f"of={g}", "bs=1M", f"count={count}", "oflag=direct",
+                                              "conv=fsync"] for g in files])
+            out["ddN_read"] = _dd_parallel([[f"if={g}", "of=/dev/null", "bs=1M", "iflag=direct"] for g in files])
+        finally:
+            for g in files:
+                g.unlink(missing_ok=True)
+        out["streams"] = streams
         buf = aligned_empty(count * MiB // 4, torch.float32)
         buf.fill_(1.0)
         for name, qd in (("aio1", 1), ("aio8", 8)):
@@ -105,7 +129,7 @@ def raw_bandwidth(path: Path, gib: float) -> dict:
     finally:
         f.unlink(missing_ok=True)
     for kind in ("read", "write"):
-        out[f"best_{kind}"] = max(out[f"{k}_{kind}"] for k in ("dd", "aio1", "aio8"))
+        out[f"best_{kind}"] = max(out[f"{k}_{kind}"] for k in ("dd", "ddN", "aio1", "aio8"))
     return out
 
 

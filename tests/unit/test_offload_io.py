@@ -176,6 +176,33 @@ def test_concurrent_handles(aio, tmp_path):
     assert all(torch.equal(raw(d), raw(s)) for d, s in zip(dsts, srcs))
 
 
+def test_urgent_requests_overtake_queued_ones():
+    """One worker busy: queued normal pieces wait, an urgent one submitted last runs next (FIFO otherwise)."""
+    import threading
+    pool, gate, order = aio_mod._PriorityPool(1, "test-aio"), threading.Event(), []
+    first = pool.submit(aio_mod.NORMAL, gate.wait)
+    futures = [pool.submit(aio_mod.NORMAL, order.append, f"normal{i}") for i in range(3)]
+    futures.append(pool.submit(aio_mod.URGENT, order.append, "urgent"))
+    gate.set()
+    for f in [first, *futures]:
+        f.result(timeout=10)
+    failing = pool.submit(aio_mod.NORMAL, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+    pool.shutdown()
+    assert order == ["urgent", "normal0", "normal1", "normal2"]
+
+
+def test_urgent_read_round_trips(aio, tmp_path):
+    src = random_tensor(5 * BLOCK, torch.float32)
+    big = aio.submit_write(tmp_path / "big.bin", random_tensor(40 * BLOCK, torch.float32, seed=3))
+    aio.write(tmp_path / "u.bin", src)
+    dst = aligned_empty(src.numel(), torch.float32)
+    aio.submit_read(tmp_path / "u.bin", dst, urgent=True).wait()
+    big.wait()
+    assert torch.equal(raw(dst), raw(src))
+
+
 def test_short_and_missing_reads_name_the_path(aio, tmp_path):
     path = tmp_path / "short.bin"
     aio.write(path, random_tensor(5000, torch.uint8))

@@ -1,7 +1,8 @@
 """Asynchronous file I/O of host tensors, the transport of ZeRO-Infinity's NVMe offload.
 
 A thread pool runs `os.preadv` / `os.pwritev` on the tensor's own memory (no copy); both release the GIL, so
-transfers overlap with compute. With O_DIRECT the page cache is bypassed, which needs the buffer address, the
+transfers overlap with compute. Pieces run in submission order, except that an urgent read's pieces go
+before the queued pieces of every other request. With O_DIRECT the page cache is bypassed, which needs the buffer address, the
 length and the file offset to be multiples of ALIGNMENT: `aligned_empty` makes such buffers. A request's
 aligned prefix goes through an O_DIRECT fd and a tail shorter than ALIGNMENT through a buffered fd of the same
 file (we do not pad: padding would write past the tensor and clobber whatever the file holds after it).
@@ -14,7 +15,9 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait as wait_futures
+import itertools
+import queue
+from concurrent.futures import Future, wait as wait_futures
 
 import torch
 
@@ -105,6 +108,46 @@ class IOHandle:
         return all(f.done() for f in self._futures)
 
 
+class _PriorityPool:
+    """Worker threads that run submitted calls lowest priority number first (FIFO within a priority): an
+    urgent read (a parameter shard the training thread is about to all-gather) overtakes the queued pieces
+    of background transfers (optimizer tiles, write-backs) instead of waiting behind them."""
+
+    def __init__(self, workers: int, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((priority, next(self._seq), future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Run everything queued, then stop the threads."""
+        for _ in self._threads:
+            self._queue.put((_LAST, next(self._seq), None, None, None))
+        for t in self._threads:
+            t.join()
+
+    def _work(self) -> None:
+        while True:
+            _, _, future, fn, args = self._queue.get()
+            if future is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(e)
+
+
+URGENT, NORMAL, _LAST = 0, 1, 2  # request priorities (AsyncIO.submit_read(urgent=True) -> URGENT)
+
+
 class AsyncIO:
     """Thread-pool asynchronous file I/O of host tensors; config mirrors DeepSpeed's `aio` block.
 
@@ -132,7 +175,7 @@ class AsyncIO:
         self.single_submit, self.overlap_events, self.use_direct = single_submit, overlap_events, use_direct
         self.bytes_read = self.bytes_written = self.direct_bytes = 0
         self.read_seconds = self.write_seconds = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=thread_count * queue_depth, thread_name_prefix="zerospeed-aio")
+        self._pool = _PriorityPool(thread_count * queue_depth, "zerospeed-aio")
         self._fds: dict[tuple[str, bool, bool], int] = {}
         self._no_direct: set[str] = set()  # paths whose file system refused O_DIRECT
         self._lock = threading.Lock()
@@ -156,10 +199,12 @@ class AsyncIO:
         tensor/offset, OSError (with the path) if the file cannot be opened."""
         return self._submit(path, tensor, offset, write=True)
 
-    def submit_read(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
+    def submit_read(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int = 0, *,
+                    urgent: bool = False) -> IOHandle:
         """Read tensor.nbytes bytes at byte `offset` of `path` into `tensor`. A file too short makes wait() raise
-        OSError naming the path, the bytes wanted and the bytes the file holds."""
-        return self._submit(path, tensor, offset, write=False)
+        OSError naming the path, the bytes wanted and the bytes the file holds. urgent: its pieces run before
+        every queued piece of non-urgent requests (those already running finish first)."""
+        return self._submit(path, tensor, offset, write=False, priority=URGENT if urgent else NORMAL)
 
     def write(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int = 0) -> int:
         """submit_write + wait; returns bytes written."""
@@ -182,13 +227,14 @@ class AsyncIO:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
 
-    def _submit(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int, *, write: bool) -> IOHandle:
+    def _submit(self, path: str | os.PathLike, tensor: torch.Tensor, offset: int, *, write: bool,
+                priority: int = NORMAL) -> IOHandle:
         if self._closed:
             raise RuntimeError("this AsyncIO is closed; create a new one")
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != HOST.type or not tensor.is_contiguous():
@@ -213,7 +259,7 @@ class AsyncIO:
         spans = [(s, min(s + self.block_size, req.nbytes)) for s in range(0, req.nbytes, self.block_size)]
         groups = ([spans] if spans else []) if self.single_submit else [[s] for s in spans]
         req.pending = len(groups)
-        futures = [self._pool.submit(self._run, req, g) for g in groups]
+        futures = [self._pool.submit(priority, self._run, req, g) for g in groups]
         if not self.overlap_events:
             wait_futures(futures)
         return IOHandle(req, futures)

@@ -44,8 +44,8 @@ class SwappedGrads:
         self.low: dict[int, tuple[torch.dtype, float]] = {}  # m -> (2-byte dtype, post) of a gradient stored so
         self.writes: OrderedDict[int, tuple[IOHandle, torch.Tensor]] = OrderedDict()
         self.scales: list = []  # multipliers (float or 0-d tensor) applied in order when the step reads a tile
-        # super_offload: a callable(m, fp32 grad) that steps master m in the backward instead of writing its
-        # gradient (`BackwardSteps.submit`), set for the boundary micro-step only; the masters it took
+        # super_offload: a `BackwardSteps` that steps master m in the backward instead of writing its gradient
+        # (`takes(m)`, `submit(m, grad)`), set for the boundary micro-step only; the masters it took
         self.consumer = None
         self.consumed: set[int] = set()
 
@@ -84,7 +84,7 @@ class SwappedGrads:
         self.squares[m] = squares
         self.low.pop(m, None)
         self.consumed.add(m)
-        self.consumer(m, grad)
+        self.consumer.submit(m, grad)
 
     def read(self, m: int, numel: int) -> torch.Tensor | None:
         """Master m's gradient as a fresh host tensor [numel] (read now, unscaled), or None if it has none."""
@@ -137,11 +137,12 @@ class SwappedGrads:
         for m in list(self.writes):
             self._wait(m)
 
-    def clear(self) -> None:
-        """Forget this step's gradients (the files stay, to be overwritten): zero_grad."""
+    def clear(self, keep: frozenset = frozenset()) -> None:
+        """Forget this step's gradients (the files stay, to be overwritten): zero_grad. keep: masters whose
+        gradient is still to be read by a deferred step (`read_rows` still converts it; `has` is False)."""
         self.drain()
         self.squares.clear()
-        self.low.clear()
+        self.low = {m: v for m, v in self.low.items() if m in keep}
         self.scales.clear()
         self.consumed.clear()
         self.consumer = None
@@ -158,6 +159,10 @@ class _Widen:
 
     def __init__(self, handle: IOHandle, stage: torch.Tensor, into: torch.Tensor, post: float):
         self.handle, self.stage, self.into, self.post = handle, stage, into, post
+
+    def done(self) -> bool:
+        """The read finished (wait() then only converts)."""
+        return self.stage is None or self.handle.done()
 
     def wait(self) -> None:
         if self.stage is not None:

@@ -147,7 +147,7 @@ class ParamSwapper:
         self._wait_write(i)
         buf = self._take(self.numel[i], protect)
         self.live[i] = buf
-        self.reads[i] = self.swap.read(self.key(i), buf)
+        self.reads[i] = self.swap.read(self.key(i), buf, urgent=True)  # the training thread waits for it soon
         self.reads_done += 1
 
     def _victim(self, protect) -> int | None:

@@ -89,14 +89,15 @@ class SwapSpace:
         """Start writing `tensor`'s bytes at byte `offset` of the file of `key` (see AsyncIO.submit_write)."""
         return self._track(self.aio.submit_write(self._live_file(key), tensor, offset))
 
-    def read(self, key: str, into: torch.Tensor, offset: int = 0) -> IOHandle:
-        """Start reading into.nbytes bytes at byte `offset` of the file of `key` into `into`.
-        Raises FileNotFoundError if nothing was written under `key`."""
+    def read(self, key: str, into: torch.Tensor, offset: int = 0, *, urgent: bool = False) -> IOHandle:
+        """Start reading into.nbytes bytes at byte `offset` of the file of `key` into `into` (urgent: ahead of
+        queued non-urgent transfers, `AsyncIO.submit_read`). Raises FileNotFoundError if nothing was written
+        under `key`."""
         path = self._live_file(key)
         if not path.exists():
             raise FileNotFoundError(errno.ENOENT, f"no swap file for key {key!r}: write it before reading it",
                                     str(path))
-        return self._track(self.aio.submit_read(path, into, offset))
+        return self._track(self.aio.submit_read(path, into, offset, urgent=urgent))
 
     def has(self, key: str) -> bool:
         """True once a write of `key` was submitted (and until close())."""

@@ -77,7 +77,7 @@ def format_offload(args) -> str:
     unit = int(args.largest_unit or 12 * args.hidden ** 2)
     mixed = args.precision == "mixed"
     pol = OffloadPolicy(optimizer="nvme", param="nvme", sub_group_size=int(args.sub_group_size), pipeline=args.pipeline,
-                        param_buffer_count=args.buffer_count, max_in_cpu=0)
+                        param_buffer_count=args.buffer_count, max_in_cpu=0, super_offload=args.super_offload)
     dp, process = args.dp or 1, int(args.process_bytes)
 
     def budget_of(n):
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--buffer-count", type=int, default=5, help="offload_param.buffer_count (default 5)")
     off.add_argument("--sub-group-size", type=parse_count, default=1e9, help="sub_group_size (default 1e9)")
     off.add_argument("--pipeline", action="store_true", help="offload_optimizer.pipeline_read/write")
+    off.add_argument("--super-offload", action="store_true",
+                     help="offload_optimizer.super_offload (the step during the backward: its buffers)")
     off.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (default 1)")
     off.add_argument("--process-bytes", type=parse_count, default=400e6,
                      help="bytes each rank's process takes besides model states (default 400M, measured here)")

@@ -30,6 +30,7 @@ from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
 from ..offload.grads import SwappedGrads
 from ..offload.backward_steps import BackwardSteps
+from ..offload.budget import BACKWARD_PENDING, BACKWARD_SETS, FORWARD_SHARE
 from ..offload.optimizer import SwappedOptimizer
 from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
@@ -120,6 +121,7 @@ class Stage3Strategy(ZeroStrategy):
         self._swapped_units = [u for u in self.units if u.master_store is not None]
         self._lp_stage: torch.Tensor | None = None
         self._backward_steps: BackwardSteps | None = None  # super_offload
+        self._deferred: frozenset[int] = frozenset()  # masters whose step waits for the next forward
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
         for p in self._frozen:  # frozen parameters stay whole on every rank (Init may have partitioned them)
             if init.init_shard(p) is not None:
@@ -270,6 +272,7 @@ class Stage3Strategy(ZeroStrategy):
     def arm(self) -> None:
         if self._phase is ReducePhase.ARMED:
             raise RuntimeError("Stage3Strategy.arm() called twice without finish()")
+        self._settle_all()  # deferred steps of layers this forward did not reach: before any gradient is written
         self._phase = ReducePhase.ARMED
 
     def finish(self) -> None:
@@ -285,24 +288,46 @@ class Stage3Strategy(ZeroStrategy):
 
     def step_in_backward(self) -> bool:
         """super_offload with the optimizer on NVMe: each master is stepped as its gradient is reduced in
-        this backward (`offload.backward_steps`), from the second step on (the first learns the states)."""
+        this backward, the last layers' in the next forward (`offload.backward_steps`), from the second
+        step on (the first learns the optimizer's states)."""
         if self.swapped is None or not self.offload.policy.super_offload or self.swapped._nstates is None:
             return False
         if self._backward_steps is None:
-            self._backward_steps = BackwardSteps(self.swapped, self._write_tile, sets=3)
-        self._backward_steps.reset()
-        self.grad_store.consumer = self._backward_steps.submit
+            self._backward_steps = BackwardSteps(self.swapped, self._write_tile, sets=BACKWARD_SETS,
+                                                 max_pending=BACKWARD_PENDING, defer_fraction=FORWARD_SHARE)
+            for u in self._swapped_units:
+                u.settle = self._settle_unit
+        self._backward_steps.start_backward()
+        self.grad_store.consumer = self._backward_steps
         self.scheduler.poll = self._backward_steps.poll
         return True
 
     def _end_backward_steps(self) -> set[int]:
-        """Finish the tiles stepped in the backward (if any); returns their indices."""
-        if self.scheduler.poll is None:
+        """Finish the tiles stepped in the backward (if one is open); returns their indices."""
+        if self.grad_store is None or self.grad_store.consumer is None:
             return set()
-        self.scheduler.poll = None
-        if self.grad_store is not None:
-            self.grad_store.consumer = None
+        self.grad_store.consumer = None
         return self._backward_steps.finish()
+
+    def _defer_steps(self) -> frozenset[int]:
+        """After the step: queue the deferred masters that got a gradient, to be stepped during the next
+        forward with this step's hyperparameters; returns them."""
+        bs = self._backward_steps
+        deferred = frozenset(m for m in bs.defer if self.grad_store.has(m) and m not in self.grad_store.consumed)
+        if deferred:
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            for m in sorted(deferred):  # the forward reaches the lowest first
+                bs.submit_stored(m, self.grad_store, hyper)
+        return deferred
+
+    def _settle_unit(self, u: ShardedUnit) -> None:
+        if self._backward_steps is not None and self._backward_steps.queue:
+            self._backward_steps.settle(u.master_index)
+
+    def _settle_all(self) -> None:
+        """Finish every deferred optimizer step (before anything reads all masters or shards)."""
+        if self._backward_steps is not None and self._backward_steps.queue:
+            self._backward_steps.finish()
 
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
         """Divide the shard gradients by `loss_scale`; global 2-norm of the gradient over all ranks'
@@ -365,7 +390,13 @@ class Stage3Strategy(ZeroStrategy):
             return
         self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
-            self.swapped.step(self.grad_store, self._write_tile, skip=self._end_backward_steps())
+            self._settle_all()
+            done, deferred = self._end_backward_steps(), frozenset()
+            if done:  # super_offload: the tiles stepped in the backward; the deferred ones wait for the forward
+                deferred = self._defer_steps()
+                done = done | {t for m in deferred for t in self.swapped.tiles_of(m)}
+            self.swapped.step(self.grad_store, self._write_tile, skip=done)
+            self._deferred = deferred
         else:
             self.bind_segments()
             self.optimizer.step()
@@ -382,7 +413,7 @@ class Stage3Strategy(ZeroStrategy):
             for sp in u.params:
                 sp.param.grad = None
         if self.grad_store is not None:
-            self.grad_store.clear()
+            self.grad_store.clear(keep=self._deferred)  # a deferred step reads its gradient in the next forward
 
     # -- accounting and teardown ----------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
@@ -415,12 +446,14 @@ class Stage3Strategy(ZeroStrategy):
         return ckpt.checkpoint_params(self)
 
     def checkpoint_slots(self, names, *, load: bool) -> list:
+        self._settle_all()
         return ckpt.checkpoint_slots(self, names)
 
     def release_checkpoint_slots(self) -> None:
         self.unbind_segments()
 
     def refresh_params_from_master(self) -> None:
+        self._settle_all()
         ckpt.refresh_params_from_master(self)
 
     def locate(self, param: torch.Tensor):
@@ -446,6 +479,7 @@ class Stage3Strategy(ZeroStrategy):
         With the parameter shards on NVMe (ZeRO-Infinity: the model may not fit in RAM) the parameters
         are left empty instead, as DeepSpeed leaves them partitioned: save the model first
         (`save_16bit_model`, `save_checkpoint`, `consolidated_state_dict`)."""
+        self._settle_all()
         self.scheduler.remove()
         self._state_dict_hooks.remove()
         ctx.unregister_strategy(self)

@@ -199,6 +199,7 @@ class ShardedUnit:
         self.master_store = None  # a SwappedOptimizer holding the master (NVMe), set by the strategy
         self.master_index = -1  # the master's index in master_store (and grad_store)
         self.grad_store = None  # a SwappedGrads holding the fp32 gradient (NVMe), set by the strategy
+        self.settle = None  # callable(unit) run before the shard is read: a deferred optimizer step finishes first
         self.lp_grad: torch.Tensor | None = None  # a reduced bf16/fp16 gradient not yet in shard.grad
         self._lp_grad_post = 1.0
         self.status = ParamStatus.GATHERED
@@ -304,7 +305,8 @@ class ShardedUnit:
         (the in-memory path's operations) and writes fp32. Each write carries its sum of squares."""
         m, n, store = self.master_index, self.layout.shard_numel, self.grad_store
         grad = store.read(m, n)
-        consume = store.consumer is not None and self.status is ParamStatus.SHARDED and not self.pins
+        consume = store.consumer is not None and store.consumer.takes(m) and self.status is ParamStatus.SHARDED \
+            and not self.pins
         if grad is None and reduced.dtype != self.master_dtype and consume:  # its fp32 value, straight to the step
             grad = store.buffer(n)
             grad.copy_(reduced)
@@ -362,6 +364,8 @@ class ShardedUnit:
     def _lp_source(self) -> torch.Tensor:
         """This rank's shard in the parameter dtype on the compute device, to all-gather from (read from
         NVMe, or copied up from the host, when offloaded; NVMe: the buffer is freed by finish_gather)."""
+        if self.settle is not None:
+            self.settle(self)
         src = self.swapper.acquire(self.index) if self.swapper is not None else self.lp_shard
         return src.to(self.full.device, non_blocking=True) if src.device != self.full.device else src
 

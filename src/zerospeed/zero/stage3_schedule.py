@@ -117,7 +117,7 @@ class GatherScheduler:
         self._external: dict[nn.Module, list[ShardedUnit]] = {}
         self.peak_live = 0  # most elements gathered at once so far (full buffers, padded)
         self.on_forward_start = lambda: None
-        self.poll = None  # called at every parameter's gradient hook (super_offload's `BackwardSteps.poll`)
+        self.poll = None  # called at every gradient hook and unit forward (super_offload's `BackwardSteps.poll`)
         modules = dict(module.named_modules())
         self.hooks = [module.register_forward_pre_hook(self._root_pre_forward),
                       module.register_forward_hook(self._root_post_forward, always_call=True)]
@@ -237,6 +237,8 @@ class GatherScheduler:
         return None
 
     def _unit_pre_forward(self, u: ShardedUnit, module, args) -> None:
+        if self.poll is not None:  # (also the forward: deferred optimizer steps progress here)
+            self.poll()
         if _in_backward():
             self.gather(u)
             return
