@@ -74,7 +74,8 @@ class OffloadOptimizerConfig(ConfigModel):
     """Fraction of optimizer states offloaded (partial offload, < 1 needs stage 3). Default 1.0."""
     super_offload: bool = False
     """Step each sub-group during the boundary micro-step's backward, as soon as its gradient is reduced, so the
-    step overlaps the backward (DeepSpeed's SuperOffload). zerospeed: stage 3 with device "nvme" only; the
+    step overlaps the backward (DeepSpeed's SuperOffload); zerospeed steps the last layers' sub-groups in the
+    next forward instead (`offload/backward_steps.py`). zerospeed: stage 3 with device "nvme" only; the
     in-backward step runs when the step needs no global quantity (gradient_clipping 0, bf16/fp32 without
     check_grad_overflow), else the step runs at engine.step() as without it (DeepSpeed speculates and rolls back)."""
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)

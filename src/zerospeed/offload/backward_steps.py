@@ -11,8 +11,8 @@ and the gradient itself never goes to disk.
 
 The backward alone cannot hide all of it: it computes about three quarters of a step's work (with
 activation checkpointing: recompute + backward), while during the forward the disk would sit idle.
-So the masters whose gradients come first in the backward - the last layers, which the next forward
-reaches last - up to `defer_fraction` of the elements, are *deferred*: their gradient is written
+So the masters whose gradients came first in the previous backward - the last layers, which the next
+forward reaches last - up to `defer_fraction` of the elements, are *deferred*: their gradient is written
 to disk as without super_offload, and they are stepped during the next forward, each before its
 layer's all-gather reads it (`settle(m)`, called from the unit's gather), with the hyperparameters
 of the step they belong to (a snapshot of the param groups taken at `engine.step()`).
@@ -57,7 +57,7 @@ class BackwardSteps:
     write_param: as `SwappedOptimizer.step`'s. sets: buffer sets of (master + states + gradient) tile
     buffers (host bytes: sets x (2 + states) x max_tile x 4, allocated once). max_pending: masters whose
     in-memory gradients may be alive (not fully stepped) when `submit` returns. defer_fraction: share of
-    the elements (the highest master indices: the last layers) stepped in the next forward. Counters:
+    the elements (the masters reduced first: the last layers) stepped in the next forward. Counters:
     `stepped` (tiles stepped from in-memory gradients, in backwards), `stepped_deferred` (tiles stepped
     from stored gradients). Raises RuntimeError before the optimizer's first step (its states are not
     known yet: that step runs at `engine.step()`).
@@ -72,18 +72,19 @@ class BackwardSteps:
         n = aligned_numel(opt.max_tile, opt.dtype)
         self.sets = [[aligned_empty(n, opt.dtype, pin=opt.pin) for _ in range(2 + self.nstates)]
                      for _ in range(max(2, sets))]
-        self.defer = self._deferred_masters(defer_fraction)
+        self.defer_fraction = defer_fraction
+        self.defer: frozenset[int] = frozenset()  # known from the second backward on (the order is learned)
+        self.order: list[int] = []  # masters in the order this backward reduced them
         self.free = list(range(len(self.sets)))
         self.queue: deque[_Entry] = deque()
         self.done: set[int] = set()  # indices (in opt.tiles) of the tiles stepped since `start_backward`
         self.stepped = self.stepped_deferred = 0
 
-    def _deferred_masters(self, fraction: float) -> frozenset[int]:
-        """The highest master indices whose elements add up to at most `fraction` of all (at least the
-        highest one when fraction > 0 and there are two masters or more)."""
+    def _deferred_masters(self, order: list[int], fraction: float) -> frozenset[int]:
+        """The first masters of a backward's reduction `order` whose elements add up to at most `fraction` of
+        all (at least the first one when fraction > 0; never the last: it is the first the forward needs)."""
         total, acc, out = sum(t.numel for t in self.opt.tiles), 0, set()
-        masters = sorted({t.master for t in self.opt.tiles}, reverse=True)
-        for m in masters[:-1] if fraction > 0 else []:
+        for m in order[:-1] if fraction > 0 else []:
             n = sum(self.opt.tiles[i].numel for i in self.opt.tiles_of(m))
             if out and acc + n > fraction * total:
                 break
@@ -97,12 +98,18 @@ class BackwardSteps:
 
     # -- the backward ---------------------------------------------------------------------------
     def start_backward(self) -> None:
-        """A boundary backward begins (everything queued before is finished first)."""
+        """A boundary backward begins (everything queued before is finished first); the masters to defer
+        are chosen from the previous backward's order."""
         self.finish()
         self.done = set()
+        if self.order:
+            self.defer = self._deferred_masters(self.order, self.defer_fraction)
+        self.order = []
 
     def takes(self, m: int) -> bool:
-        """Master m is stepped in this backward (not deferred to the next forward)."""
+        """Master m's gradient is ready: True if it is stepped in this backward (not deferred to the next
+        forward). Records the reduction order."""
+        self.order.append(m)
         return m not in self.defer
 
     def submit(self, m: int, grad: torch.Tensor) -> None:

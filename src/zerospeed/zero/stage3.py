@@ -316,8 +316,9 @@ class Stage3Strategy(ZeroStrategy):
         deferred = frozenset(m for m in bs.defer if self.grad_store.has(m) and m not in self.grad_store.consumed)
         if deferred:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            for m in sorted(deferred):  # the forward reaches the lowest first
-                bs.submit_stored(m, self.grad_store, hyper)
+            for m in dict.fromkeys(reversed(bs.order)):  # the forward needs the last reduced first
+                if m in deferred:
+                    bs.submit_stored(m, self.grad_store, hyper)
         return deferred
 
     def _settle_unit(self, u: ShardedUnit) -> None:
