@@ -16,7 +16,9 @@ swap files against the predicted disk bytes.
 from __future__ import annotations
 
 MODELS = "big:20x2048@bf16,big:20x2048,big:26x2560@bf16,big:26x2560,big:52x2560@bf16,big:44x2560"
-# a model key's '+super' suffix: offload_optimizer.super_offload (the optimizer steps during the backward)
+# a model key's '+super' suffix: offload_optimizer.super_offload (the optimizer steps during the backward and the
+# next forward; bf16 without check_grad_overflow); '--big-modes mem,nvme' adds the in-memory run of each model (the
+# compute floor: the column step / max(I/O bound, in-memory step))
 WORKER_FLAGS = ["--ckpt", "--init-nvme", "--pipeline", "--param-buffers", "8"]
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -49,15 +51,22 @@ def markdown(saved: dict) -> str:
              f"worker {raw['aio1_read']:,.0f} / {raw['aio1_write']:,.0f}; 8 workers {raw['aio8_read']:,.0f} / "
              f"{raw['aio8_write']:,.0f}; best {raw['best_read']:,.0f} / {raw['best_write']:,.0f} (the I/O bound uses these).",
              "",
-             "| model (params) | precision | step s wall / CPU (forward+backward) | I/O bound s | step / bound | peak RSS/rank MiB: build / "
-             "initialize / train | predicted MiB (process + budget) | read / written per step per rank, GB | "
-             "achieved MB/s read / write (% of raw) | swap files GB (predicted) | losses |",
-             "|" + "---|" * 11]
+             "| model (params) | precision | step s wall / CPU (forward+backward) | I/O bound s | step / bound | step / "
+             "max(bound, in-memory step) | peak RSS/rank MiB: build / initialize / train | predicted MiB (process + "
+             "budget) | read / written per step per rank, GB | achieved MB/s read / write (% of raw) | swap files GB "
+             "(predicted) | losses |",
+             "|" + "---|" * 12]
+    mem_step = {}  # model@precision -> median step of its in-memory run (the compute floor; --big-modes mem)
     for r in saved["runs"]:
-        model, _, precision = r["model"].partition("@")
-        precision = precision or "fp32"
+        if r.get("mode") == "mem" and r["status"] == "ok":
+            t = sorted(r["step_s"][r["warmup"]:])
+            mem_step[r["model"].partition("+")[0]] = t[len(t) // 2]
+    for r in saved["runs"]:
+        base, plus, variant = r["model"].partition("+")
+        model, _, precision = base.partition("@")
+        precision = (precision or "fp32") + plus + variant + (" in memory" if r.get("mode") == "mem" else "")
         if r["status"] != "ok":
-            lines.append(f"| {model} | {precision} | {r['status']}: {r.get('message', '')[:240]} |" + " |" * 9)
+            lines.append(f"| {model} | {precision} | {r['status']}: {r.get('message', '')[:240]} |" + " |" * 10)
             continue
         timed = r["step_s"][r["warmup"]:]
         step = sorted(timed)[len(timed) // 2]
@@ -68,6 +77,7 @@ def markdown(saved: dict) -> str:
         rd = sum(x["disk_read"] for x in io) / n
         wr = sum(x["disk_written"] for x in io) / n
         bound = rd / (raw["best_read"] * 1e6) + wr / (raw["best_write"] * 1e6)
+        floor = max(bound, mem_step.get(r["model"].partition("+")[0], 0.0))
         ph = r["phase_rss_bytes"]
         peaks = " / ".join(f"{max(p[k] for p in ph) / MiB:,.0f}" for k in ("build", "initialize", "train"))
         pred = (max(r["start_rss_bytes"]) + r["predicted_host_bytes"]) / MiB if r.get("predicted_host_bytes") else None
@@ -76,8 +86,12 @@ def markdown(saved: dict) -> str:
         disk = sum(r["swap_bytes"]) / 1e9
         pdisk = 2 * r["predicted_disk_bytes"] / 1e9 if r.get("predicted_disk_bytes") else float("nan")
         losses = ", ".join(f"{x:.3f}" for x in r["losses"])
+        if r.get("mode") == "mem":
+            lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f}{fb} | - | - | - | "
+                         f"{peaks} | | | | | {losses} |")
+            continue
         lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f}{fb} | {bound:.1f} | "
-                     f"{step / bound:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
+                     f"{step / bound:.2f}x | {step / floor:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
                      f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
                      f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")
     return "\n".join(lines) + "\n"

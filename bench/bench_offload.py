@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     if args.largest:
         if args.models == parse_args([]).models:
             args.models = _largest.MODELS
-        args.systems, args.big_modes, args.big_steps, args.big_warmup = "zerospeed", "nvme", 2, 1
+        args.systems = "zerospeed"  # --big-modes mem: the same model in memory (the compute floor, if it fits)
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         print(_largest.markdown(saved) if saved["args"].get("largest") else markdown(saved))
