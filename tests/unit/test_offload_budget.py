@@ -26,14 +26,14 @@ def test_infinity_host_budget_does_not_grow_with_the_model():
 
 
 def test_super_offload_adds_its_buffers_and_gradients():
-    """super_offload: 3 buffer sets x (master, 2 states, gradient) x tile + 3 unit shards of fp32 gradients;
+    """super_offload: 6 buffer sets x (master, 2 states, gradient) x tile + 4 unit shards of fp32 gradients;
     flat in Ψ."""
     import dataclasses
     sup = dataclasses.replace(BOTH, super_offload=True)
     small = rank_budget(sup, numel=26 * UNIT, largest_unit=UNIT, world=2, param_bytes=2, mixed=True)
     big = rank_budget(sup, numel=52 * UNIT, largest_unit=UNIT, world=2, param_bytes=2, mixed=True)
     assert small.host == big.host
-    assert big.host["backward_steps"] == (3 * 4 * 10_000_000 + 3 * UNIT // 2) * 4
+    assert big.host["backward_steps"] == (6 * 4 * 10_000_000 + 4 * UNIT // 2) * 4
     base = rank_budget(BOTH, numel=52 * UNIT, largest_unit=UNIT, world=2, param_bytes=2, mixed=True)
     assert big.disk == base.disk and big.host_total - base.host_total == big.host["backward_steps"]
 

@@ -12,8 +12,8 @@ host (the compute device's working set is counted here too: on a CPU machine it 
                     (+ 4 x Ψ/N fp32 masters under mixed precision without optimizer offload)
   gradients         nvme optimizer: two unit shards being written (4 B, or 2 B under bf16/fp16 with one
                     micro-step); else the fp32 gradient partition 4 x Ψ/N
-  backward_steps    super_offload (stage 3, nvme optimizer): 3 buffer sets x (master + states + gradient)
-                    x a tile, and up to 3 unit shards of fp32 gradients waiting to be stepped
+  backward_steps    super_offload (stage 3, nvme optimizer): 6 buffer sets x (master + states + gradient)
+                    x a tile, and up to 4 unit shards of fp32 gradients waiting to be stepped
   gathered          the unit in use and the prefetched ones: (1 + ceil(prefetch / unit)) x unit, param dtype
   backward          one unit's full gradients and the reduce-scatter bucket (units are added to it until it
                     holds reduce_bucket_size elements): unit + max(unit, bucket), param dtype
@@ -35,7 +35,8 @@ from .policy import OffloadPolicy
 __all__ = ["RankBudget", "rank_budget", "largest_model"]
 
 FP32 = 4
-BACKWARD_SETS, BACKWARD_PENDING = 3, 2  # super_offload's `BackwardSteps(sets=, max_pending=)`
+BACKWARD_SETS, BACKWARD_PENDING = 6, 3  # super_offload's `BackwardSteps(sets=, max_pending=)`; at 4B bf16 a step
+# took 91.2 s with 3 / 2 and 84.2 s with 6 / 3 (one run each, two sittings: bench/README session 17)
 FORWARD_SHARE = 0.25  # ... and `defer_fraction`: the backward computes ~3/4 of a checkpointed step's work
 
 
