@@ -26,7 +26,7 @@ import torch
 from .aio import IOHandle, aligned_empty
 from .swap import SwapSpace
 
-__all__ = ["SwappedGrads"]
+__all__ = ["SwappedGrads", "widen_into"]
 
 
 class SwappedGrads:
@@ -153,6 +153,13 @@ class SwappedGrads:
             entry[0].wait()
 
 
+def widen_into(into: torch.Tensor, low: torch.Tensor, post: float) -> torch.Tensor:
+    """A reduced 2-byte gradient `low` as its fp32 accumulator value, written into `into` (its shape):
+    float(low) x (1 / post). The one definition of that arithmetic (in memory and on NVMe alike)."""
+    into.copy_(low)
+    return into.mul_(1.0 / post)
+
+
 class _Widen:
     """A read of a 2-byte gradient into `stage`; wait() converts it into the fp32 `into`, times 1/post
     (`ShardedUnit.materialize_grad`'s operations)."""
@@ -167,6 +174,5 @@ class _Widen:
     def wait(self) -> None:
         if self.stage is not None:
             self.handle.wait()
-            self.into.copy_(self.stage)
-            self.into.mul_(1.0 / self.post)
+            widen_into(self.into, self.stage, self.post)
             self.stage = None

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..comm.collectives import GroupCollectives
 from ..comm.ops import CommHandle
+from ..offload.grads import widen_into
 from .clipping import sum_of_squares
 from .partition import FlatPartition, plan_one_chunk
 
@@ -58,7 +59,7 @@ def _row_pieces(offset: int, numel: int, row: int):
 
 def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
     """A reduced 2-byte gradient as the fp32 accumulator value: float(low) x (1 / post)."""
-    return torch.mul(low.to(dtype), 1.0 / post)
+    return widen_into(torch.empty(low.shape, dtype=dtype, device=low.device), low, post)
 
 
 def _add_reduced(grad: torch.Tensor, reduced: torch.Tensor, post: float) -> None:
@@ -308,9 +309,7 @@ class ShardedUnit:
         consume = store.consumer is not None and store.consumer.takes(m) and self.status is ParamStatus.SHARDED \
             and not self.pins
         if grad is None and reduced.dtype != self.master_dtype and consume:  # its fp32 value, straight to the step
-            grad = store.buffer(n)
-            grad.copy_(reduced)
-            grad.mul_(1.0 / post)  # `_widened`'s operations
+            grad = widen_into(store.buffer(n), reduced, post)
             store.consume(m, grad, sum_of_squares([grad]))
             return
         if grad is None and reduced.dtype != self.master_dtype:  # kept in 2 bytes, as `lp_grad` in memory
