@@ -15,6 +15,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from ..utils.partition import partition_uniform as _uniform
+
 __all__ = ["PipelineError", "PARTITION_METHODS", "partition_uniform", "partition_balanced", "partition_from_bounds",
            "type_weights", "check_partition", "stage_owner", "stage_sizes"]
 
@@ -29,20 +31,14 @@ class PipelineError(ValueError, RuntimeError):
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """Split `num_items` items into `num_parts` contiguous parts whose sizes differ by at most one, the
-    larger parts first. Returns the num_parts + 1 boundaries. With num_items <= num_parts, part p holds
-    item p and the parts past num_items are empty (DeepSpeed: `parts[p] = min(p, num_items)`).
-
-    Source: DeepSpeed 0.19.8 `deepspeed/runtime/utils.py: partition_uniform`. Example: (10, 4) ->
+    """`zerospeed.utils.partition.partition_uniform` (DeepSpeed 0.19.8's, exactly): `num_parts` contiguous
+    parts of sizes differing by at most one, larger first; num_parts + 1 boundaries. Example: (10, 4) ->
     [0, 3, 6, 8, 10]. Raises PipelineError if num_parts < 1 or num_items < 0.
     """
-    if num_parts < 1 or num_items < 0:
-        raise PipelineError(f"partition_uniform: need num_parts >= 1 and num_items >= 0, got num_items={num_items}, "
-                            f"num_parts={num_parts}")
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk, residual = divmod(num_items, num_parts)
-    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+    try:
+        return _uniform(num_items, num_parts)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:

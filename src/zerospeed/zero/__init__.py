@@ -9,6 +9,8 @@ from .stage3_context import (GatheredParameters, register_external_parameter, un
                              unwrap_for_generation)
 from .stage3_params import ParamStatus
 from .stage3_units import plan_units
+from .tiling import TiledLinear, TiledLinearReturnBias
 
 __all__ = ["estimate_model_states_memory", "Init", "InitParameterError", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "unwrap_for_generation", "ParamStatus", "ParameterNotGatheredError", "Stage3Strategy", "plan_units"]
+           "unwrap_for_generation", "ParamStatus", "ParameterNotGatheredError", "Stage3Strategy", "plan_units",
+           "TiledLinear", "TiledLinearReturnBias"]

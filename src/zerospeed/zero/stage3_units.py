@@ -14,6 +14,10 @@ performance complaint; FSDP2 users wrap each transformer block. We pick blocks b
     too small for a collective of their own, they ride in the root's single all-gather per step
     (DeepSpeed keeps them whole on every rank; we keep them sharded at rest, so memory stays 16Ψ/N).
 * frozen parameters (requires_grad=False) are not managed: they stay whole on every rank.
+* every tile of a `zerospeed.zero.TiledLinear` is a unit of its own, also inside a block (the one case
+  of nested units: the block then holds its other parameters, a parameter belongs to the innermost
+  unit whose module holds it), so a very wide layer is gathered one tile at a time (ZeRO-Infinity's
+  memory-centric tiling, Rajbhandari et al. 2021, §5.1.3).
 
 Per step (no prefetch reuse): the root is all-gathered once, each block twice (forward and backward),
 and every unit's gradient is reduce-scattered once, in a bucket with its neighbours (ZeRO,
@@ -59,13 +63,23 @@ def find_unit_modules(model: nn.Module, *, leaf_classes=(), leaf_names=(), leaf_
     name suffix) or a child of an nn.ModuleList / nn.Sequential whose >= 2 children are all one class
     that holds parameters. The root module itself never qualifies.
     """
-    chosen: list[str] = []
+    from .tiling import TiledLinear
 
-    def inside_chosen(name: str) -> bool:
-        return any(name.startswith(c + ".") for c in chosen)
+    chosen: list[str] = []
+    tiled: list[str] = []
+
+    def inside(name: str, names: list[str]) -> bool:
+        return any(name.startswith(c + ".") for c in names)
 
     for name, mod in model.named_modules():
-        if name == "" or inside_chosen(name):
+        if name == "" or inside(name, tiled):
+            continue
+        if isinstance(mod, TiledLinear):  # its tiles are units, nested in an enclosing unit if any
+            tiled.append(name)
+            chosen.extend(f"{name}.linears.{o}.{i}" for o, row in enumerate(mod.linears) for i, t in enumerate(row)
+                          if any(True for _ in t.parameters()))
+            continue
+        if inside(name, chosen):
             continue
         if _matches_leaf(name, mod, set(leaf_classes), set(leaf_names), tuple(leaf_name_suffixes)):
             chosen.append(name)
@@ -75,15 +89,13 @@ def find_unit_modules(model: nn.Module, *, leaf_classes=(), leaf_names=(), leaf_
             if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and \
                     any(True for _ in kids[0][1].parameters()):
                 prefix = name + "."
-                chosen.extend(prefix + k for k, _ in kids if not inside_chosen(prefix + k))
+                chosen.extend(prefix + k for k, _ in kids if not inside(prefix + k, chosen))
     return chosen
 
 
 def _owner(param_name: str, units: list[str]) -> str:
-    for u in units:
-        if param_name.startswith(u + "."):
-            return u
-    return ROOT
+    """The innermost unit whose module holds `param_name` (ROOT if none)."""
+    return max((u for u in units if param_name.startswith(u + ".")), key=len, default=ROOT)
 
 
 def plan_units(model: nn.Module, *, persistence_threshold: int = 0, leaf_classes=(), leaf_names=(),
