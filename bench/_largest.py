@@ -38,6 +38,33 @@ def disk_need(model: str, world: int = 2) -> int:
     return world * b.disk_total
 
 
+def _key(layers: int, width: int, precision: str) -> str:
+    return f"big:{layers}x{width}" + ("" if precision == "fp32" else f"@{precision}")
+
+
+def extrapolated_floors(mem_step: dict[str, float], max_layers: int = 128) -> dict[str, tuple[float, str]]:
+    """{model key: (in-memory step s, how)} for every layer count up to max_layers, from a line through the
+    in-memory runs of two or more layer counts at one width and precision (least squares): a step is a
+    fixed part (embeddings, head, start-up of the collectives) plus one block's time per layer."""
+    groups: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    for key, t in mem_step.items():
+        name, _, precision = key.partition("@")
+        layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
+        groups.setdefault((width, precision or "fp32"), []).append((layers, t))
+    out = {}
+    for (width, precision), pts in groups.items():
+        if len({n for n, _ in pts}) < 2:
+            continue
+        n = len(pts)
+        mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        icpt = my - slope * mx
+        how = f"{icpt:.2f} s + {slope:.3f} s x layers, from " + ", ".join(f"{x} layers {y:.1f} s" for x, y in sorted(pts))
+        for layers in range(1, max_layers + 1):
+            out[_key(layers, width, precision)] = (icpt + slope * layers, how)
+    return out
+
+
 def markdown(saved: dict) -> str:
     raw = saved["raw"]
     lines = [f"bench_offload --largest {saved['stamp']}: ZeRO-3, AdamW, world size 2 (gloo, 1 thread/rank), "
@@ -61,6 +88,7 @@ def markdown(saved: dict) -> str:
         if r.get("mode") == "mem" and r["status"] == "ok":
             t = sorted(r["step_s"][r["warmup"]:])
             mem_step[r["model"].partition("+")[0]] = t[len(t) // 2]
+    floors = extrapolated_floors(mem_step)
     for r in saved["runs"]:
         base, plus, variant = r["model"].partition("+")
         model, _, precision = base.partition("@")
@@ -77,7 +105,8 @@ def markdown(saved: dict) -> str:
         rd = sum(x["disk_read"] for x in io) / n
         wr = sum(x["disk_written"] for x in io) / n
         bound = rd / (raw["best_read"] * 1e6) + wr / (raw["best_write"] * 1e6)
-        floor = max(bound, mem_step.get(r["model"].partition("+")[0], 0.0))
+        key = r["model"].partition("+")[0]
+        floor = max(bound, mem_step.get(key) or floors.get(key, (0.0, ""))[0])
         ph = r["phase_rss_bytes"]
         peaks = " / ".join(f"{max(p[k] for p in ph) / MiB:,.0f}" for k in ("build", "initialize", "train"))
         pred = (max(r["start_rss_bytes"]) + r["predicted_host_bytes"]) / MiB if r.get("predicted_host_bytes") else None
@@ -94,4 +123,21 @@ def markdown(saved: dict) -> str:
                      f"{step / bound:.2f}x | {step / floor:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
                      f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
                      f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")
+    extra = {k: v for k, v in floors.items() if k not in mem_step and any(
+        r["model"].partition("+")[0] == k and r.get("mode") == "nvme" for r in saved["runs"])}
+    if extra:
+        lines += ["", "In-memory step (the compute floor) of the models too large for memory, extrapolated linearly in "
+                  "the layer count from the in-memory runs of the same width and precision (the step / max column uses "
+                  "it):", ""] + [f"- {k}: {t:.1f} s ({how})" for k, (t, how) in sorted(extra.items())]
+    split = [r for r in saved["runs"] if r["status"] == "ok" and r.get("phase_split_s")]
+    if split:
+        lines += ["", "Where a timed step goes, per rank (rank 0 / rank 1), seconds: wall, process CPU, disk busy (a request "
+                  "in flight), training thread waiting on I/O:", "",
+                  "| model | precision | forward | backward | engine.step() |", "|---|---|---|---|---|"]
+        for r in split:
+            base, plus, variant = r["model"].partition("+")
+            model, _, precision = base.partition("@")
+            cells = [" / ".join(f"{x[ph][0]:.1f} wall, {x[ph][1]:.1f} CPU, {x[ph][2]:.1f} busy, {x[ph][3]:.1f} wait"
+                                for x in r["phase_split_s"]) for ph in ("forward", "backward", "step")]
+            lines.append(f"| {model} | {(precision or 'fp32') + plus + variant} {r.get('mode', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

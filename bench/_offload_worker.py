@@ -117,6 +117,11 @@ class _Busy:
     read_s = property(lambda self: self.secs[1])
     write_s = property(lambda self: self.secs[2])
 
+    def busy_now(self) -> float:
+        """`seconds` including the interval still open (a phase boundary inside a request)."""
+        with self.lock:
+            return self.secs[0] + (time.perf_counter() - self.since[0] if self.inflight[0] else 0.0)
+
     def _mark(self, kinds, delta):
         now = time.perf_counter()
         with self.lock:
@@ -267,6 +272,10 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     budget = getattr(offload, "budget", None)
     step_s, cpu_s, losses, fb_s = [], [], [], []
     io0 = None
+    split = [0.0] * 12  # forward, backward, step: wall, CPU, disk busy, training thread's I/O wait (s, timed steps)
+
+    def snap():
+        return time.perf_counter(), time.process_time(), busy.busy_now(), busy.wait_s
 
     def counters():
         return (*proc_io(), busy.seconds, busy.read_s, busy.write_s, busy.wait_s,
@@ -276,11 +285,20 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
             io0 = counters()
         x, y = mine[i, :, :-1], mine[i, :, 1:]
         t, c = time.perf_counter(), time.process_time()
-        loss = runner.forward_backward(x, y)
+        s0 = snap()
+        loss = runner.engine(x, y)
+        s1 = snap()
+        runner.engine.backward(loss)
+        s2 = snap()
         fb_s.append(time.perf_counter() - t)
         runner.step()
+        s3 = snap()
         step_s.append(time.perf_counter() - t)
         cpu_s.append(time.process_time() - c)
+        if i >= args.warmup:
+            for j, (a, b) in enumerate(((s0, s1), (s1, s2), (s2, s3))):
+                for k in range(4):
+                    split[4 * j + k] += (b[k] - a[k]) / args.steps
         losses.append(float(loss.detach().float()))
         print(f"rank {rank} step {i}: {step_s[-1]:.2f} s loss {losses[-1]:.4f}", flush=True)
     io1 = counters()
@@ -288,7 +306,7 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     io = [b - a for a, b in zip(io0, io1)]
     disk = offload.disk_bytes() if offload is not None else 0
     times, cpus, loss_ranks = all_gather_floats(step_s), all_gather_floats(cpu_s), all_gather_floats(losses)
-    fbs = all_gather_floats(fb_s)
+    fbs, splits = all_gather_floats(fb_s), all_gather_floats(split)
     names = ("build", "initialize", "train")
     per_rank = all_gather_floats([peak_rss_bytes(), rss_start, setup_s, disk, *io,
                                   *(float(peaks.get(n, 0)) for n in names)])
@@ -309,7 +327,10 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
             "predicted_host_bytes": budget.host_total if budget else None,
             "predicted_disk_bytes": budget.disk_total if budget else None,
             "predicted_host": dict(budget.host) if budget else None,
-            "ckpt": args.ckpt}
+            "ckpt": args.ckpt,
+            # per rank: {phase: [wall, CPU, disk busy, I/O wait]}, seconds per timed step
+            "phase_split_s": [{ph: r[4 * j:4 * j + 4] for j, ph in enumerate(("forward", "backward", "step"))}
+                              for r in splits]}
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="zerospeed,deepspeed")
     p.add_argument("--modes", default="mem,cpu,nvme", help="modes for the base model")
     p.add_argument("--models", default="base,big:16x1536",
-                   help="base and/or big:LAYERSxWIDTH (InitGPT built under zero.Init; default 16 x 1536 = 0.45B)")
+                   help="base and/or big:LAYERSxWIDTH (InitGPT built under zero.Init; default 16 x 1536 = 0.45B); "
+                        "a '=mem/nvme' suffix runs that model in those modes only (instead of --modes/--big-modes)")
     p.add_argument("--big-modes", default="nvme", help="modes for the big model(s)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (base)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (base; >= 2: step 2 reads the states back)")
@@ -159,9 +160,10 @@ def _dir_bytes(d: Path) -> int:
 # -- runs ---------------------------------------------------------------------------------------------
 def plan(args) -> list[tuple[str, str, str]]:
     systems, out = args.systems.split(","), []
-    for model in args.models.split(","):
-        modes = args.modes if model == "base" else args.big_modes
-        out += [(model, s, m) for m in modes.split(",") for s in systems]
+    for key in args.models.split(","):
+        model, _, only = key.partition("=")  # 'big:12x2560=mem': this model in these modes only
+        modes = only or (args.modes if model == "base" else args.big_modes)
+        out += [(model, s, m) for m in modes.split("/" if only else ",") for s in systems]
     return out
 
 
