@@ -92,7 +92,8 @@ def markdown(saved: dict) -> str:
     for r in saved["runs"]:
         base, plus, variant = r["model"].partition("+")
         model, _, precision = base.partition("@")
-        precision = (precision or "fp32") + plus + variant + (" in memory" if r.get("mode") == "mem" else "")
+        precision = (precision or "fp32") + plus + variant + (" in memory" if r.get("mode") == "mem" else "") + (
+            " (DeepSpeed)" if r.get("system") == "deepspeed" else "")
         if r["status"] != "ok":
             lines.append(f"| {model} | {precision} | {r['status']}: {r.get('message', '')[:240]} |" + " |" * 10)
             continue
@@ -120,7 +121,7 @@ def markdown(saved: dict) -> str:
                          f"{peaks} | | | | | {losses} |")
             continue
         lines.append(f"| {model} ({r['n_params'] / 1e9:.2f}B) | {precision} | {step:.1f} / {cpu:.1f}{fb} | {bound:.1f} | "
-                     f"{step / bound:.2f}x | {step / floor:.2f}x | {peaks} | {pred:,.0f} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
+                     f"{step / bound:.2f}x | {step / floor:.2f}x | {peaks} | {'-' if pred is None else f'{pred:,.0f}'} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
                      f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
                      f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")
     extra = {k: v for k, v in floors.items() if k not in mem_step and any(

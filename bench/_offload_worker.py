@@ -53,7 +53,8 @@ def variants(name: str) -> set[str]:
     """'big:52x2560@bf16+super' -> {'super'}: offload_optimizer.super_offload (the step in the backward;
     bf16 then without check_grad_overflow, which would keep the step at engine.step()). '+nourgent' (an A/B
     of zerospeed's I/O, not a setting): parameter-shard reads queue behind the other transfers. '+nodefer' (an
-    A/B too): super_offload steps every layer in the backward, none in the next forward."""
+    A/B too): super_offload steps every layer in the backward, none in the next forward. '+pendingN' / '+setsN' (A/B
+    too): super_offload's in-memory gradients held / buffer sets (offload.budget.BACKWARD_PENDING / BACKWARD_SETS)."""
     return set(name.split("+")[1:])
 
 
@@ -246,6 +247,13 @@ def run(args, rank: int, world: int, busy: _Busy) -> dict:
     if "nodefer" in variants(args.model):
         import zerospeed.zero.stage3 as stage3
         stage3.FORWARD_SHARE = 0.0
+    for v in variants(args.model):  # '+pendingN' / '+setsN': super_offload's BackwardSteps(max_pending=, sets=)
+        for prefix, name in (("pending", "BACKWARD_PENDING"), ("sets", "BACKWARD_SETS")):
+            if v.startswith(prefix) and v[len(prefix):].isdigit():
+                import zerospeed.offload.budget as budget
+                import zerospeed.zero.stage3 as stage3
+                setattr(stage3, name, int(v[len(prefix):]))
+                setattr(budget, name, int(v[len(prefix):]))  # the pre-flight budget counts them
     phases.phase = "build"
     model = build(args, world, cfg, mcfg)
     if args.ckpt:

@@ -361,7 +361,8 @@ def main(argv=None) -> int:
     if args.largest:
         if args.models == parse_args([]).models:
             args.models = _largest.MODELS
-        args.systems = "zerospeed"  # --big-modes mem: the same model in memory (the compute floor, if it fits)
+        if args.systems == parse_args([]).systems:  # '--systems deepspeed': DeepSpeed's NVMe offload, same models
+            args.systems = "zerospeed"  # --big-modes mem: the same model in memory (the compute floor, if it fits)
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         print(_largest.markdown(saved) if saved["args"].get("largest") else markdown(saved))
