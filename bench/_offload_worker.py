@@ -86,6 +86,9 @@ def offload_config(*, system: str, mode: str, micro: int, world: int, nvme_path:
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["offload_param"] = {"device": "cpu"}
     elif mode == "nvme":
+        # DeepSpeed 0.19.8's pipelined swapper fails its first step on these models (`assert new_alloc_buffers is
+        # not None`, pipelined_optimizer_swapper.py:219): DeepSpeed runs its default, unpipelined
+        pipeline = pipeline and system != "deepspeed"
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": pipeline,
                                      "pipeline_write": pipeline, "buffer_count": 4}
         # DeepSpeed holds one buffer per parameter in flight (prefetched ones included): with 5 buffers and
@@ -189,7 +192,9 @@ def checkpoint_blocks(model, system: str) -> None:
     """Activation checkpointing of every transformer block (the block's forward hooks run again in the
     recomputation, so ZeRO-3 gathers its parameters there)."""
     if system == "deepspeed":
-        from deepspeed.checkpointing import checkpoint
+        import deepspeed
+
+        checkpoint = deepspeed.checkpointing.checkpoint  # an attribute there, not an importable module path
     else:
         from zerospeed.checkpointing import checkpoint
 
