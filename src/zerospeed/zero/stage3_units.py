@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .tiling import TiledLinear
+
 ROOT = ""  # the root unit's name
 
 
@@ -61,10 +63,9 @@ def find_unit_modules(model: nn.Module, *, leaf_classes=(), leaf_names=(), leaf_
 
     A module qualifies if it is a leaf module (by class name, qualified class name, module name or
     name suffix) or a child of an nn.ModuleList / nn.Sequential whose >= 2 children are all one class
-    that holds parameters. The root module itself never qualifies.
+    that holds parameters. The root module itself never qualifies. Every tile (`linears[o][i]`) of a
+    `TiledLinear` qualifies too, also inside a module already chosen (nested units).
     """
-    from .tiling import TiledLinear
-
     chosen: list[str] = []
     tiled: list[str] = []
 
