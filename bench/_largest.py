@@ -38,31 +38,46 @@ def disk_need(model: str, world: int = 2) -> int:
     return world * b.disk_total
 
 
-def _key(layers: int, width: int, precision: str) -> str:
-    return f"big:{layers}x{width}" + ("" if precision == "fp32" else f"@{precision}")
+def _parse(key: str) -> tuple[int, int, str]:
+    """'big:52x2560@bf16' -> (52, 2560, 'bf16')."""
+    name, _, precision = key.partition("@")
+    layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
+    return layers, width, precision or "fp32"
 
 
-def extrapolated_floors(mem_step: dict[str, float], max_layers: int = 128) -> dict[str, tuple[float, str]]:
-    """{model key: (in-memory step s, how)} for every layer count up to max_layers, from a line through the
-    in-memory runs of two or more layer counts at one width and precision (least squares): a step is a
-    fixed part (embeddings, head, start-up of the collectives) plus one block's time per layer."""
+def extrapolated_floors(mem_step: dict[str, float]) -> dict[tuple[int, str], tuple[float, float, str]]:
+    """{(width, precision): (intercept s, s per layer, how)}: a least-squares line through the in-memory runs of
+    two or more layer counts at one width and precision: a step is a fixed part (embeddings, head, start-up of
+    the collectives) plus one block's time per layer. `floor_of` evaluates it for a model key."""
     groups: dict[tuple[int, str], list[tuple[int, float]]] = {}
     for key, t in mem_step.items():
-        name, _, precision = key.partition("@")
-        layers, width = (int(v) for v in name.split(":", 1)[1].split("x"))
-        groups.setdefault((width, precision or "fp32"), []).append((layers, t))
+        layers, width, precision = _parse(key)
+        groups.setdefault((width, precision), []).append((layers, t))
     out = {}
-    for (width, precision), pts in groups.items():
+    for group, pts in groups.items():
         if len({n for n, _ in pts}) < 2:
             continue
         n = len(pts)
         mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
         slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
         icpt = my - slope * mx
-        how = f"{icpt:.2f} s + {slope:.3f} s x layers, from " + ", ".join(f"{x} layers {y:.1f} s" for x, y in sorted(pts))
-        for layers in range(1, max_layers + 1):
-            out[_key(layers, width, precision)] = (icpt + slope * layers, how)
+        out[group] = (icpt, slope, f"{icpt:.2f} s + {slope:.3f} s x layers, from "
+                      + ", ".join(f"{x} layers {y:.1f} s" for x, y in sorted(pts)))
     return out
+
+
+def floor_of(key: str, floors: dict) -> tuple[float, str] | None:
+    """(extrapolated in-memory step s, how) of model key 'big:LxD[@precision]', or None."""
+    layers, width, precision = _parse(key)
+    line = floors.get((width, precision))
+    return None if line is None else (line[0] + line[1] * layers, line[2])
+
+
+def _label(r: dict) -> tuple[str, str]:
+    """(model, precision + variants) of a run's model key, e.g. ('big:52x2560', 'bf16+super')."""
+    base, plus, variant = r["model"].partition("+")
+    model, _, precision = base.partition("@")
+    return model, (precision or "fp32") + plus + variant
 
 
 def markdown(saved: dict) -> str:
@@ -90,9 +105,8 @@ def markdown(saved: dict) -> str:
             mem_step[r["model"].partition("+")[0]] = t[len(t) // 2]
     floors = extrapolated_floors(mem_step)
     for r in saved["runs"]:
-        base, plus, variant = r["model"].partition("+")
-        model, _, precision = base.partition("@")
-        precision = (precision or "fp32") + plus + variant + (" in memory" if r.get("mode") == "mem" else "") + (
+        model, precision = _label(r)
+        precision += (" in memory" if r.get("mode") == "mem" else "") + (
             " (DeepSpeed)" if r.get("system") == "deepspeed" else "")
         if r["status"] != "ok":
             lines.append(f"| {model} | {precision} | {r['status']}: {r.get('message', '')[:240]} |" + " |" * 10)
@@ -107,7 +121,7 @@ def markdown(saved: dict) -> str:
         wr = sum(x["disk_written"] for x in io) / n
         bound = rd / (raw["best_read"] * 1e6) + wr / (raw["best_write"] * 1e6)
         key = r["model"].partition("+")[0]
-        floor = max(bound, mem_step.get(key) or floors.get(key, (0.0, ""))[0])
+        floor = max(bound, mem_step.get(key) or (floor_of(key, floors) or (0.0, ""))[0])
         ph = r["phase_rss_bytes"]
         peaks = " / ".join(f"{max(p[k] for p in ph) / MiB:,.0f}" for k in ("build", "initialize", "train"))
         pred = (max(r["start_rss_bytes"]) + r["predicted_host_bytes"]) / MiB if r.get("predicted_host_bytes") else None
@@ -124,8 +138,8 @@ def markdown(saved: dict) -> str:
                      f"{step / bound:.2f}x | {step / floor:.2f}x | {peaks} | {'-' if pred is None else f'{pred:,.0f}'} | {rd / len(io) / 1e9:.1f} / {wr / len(io) / 1e9:.1f} | "
                      f"{bw_r:,.0f} / {bw_w:,.0f} ({100 * bw_r / raw['best_read']:.0f}% / "
                      f"{100 * bw_w / raw['best_write']:.0f}%) | {disk:.1f} ({pdisk:.1f}) | {losses} |")
-    extra = {k: v for k, v in floors.items() if k not in mem_step and any(
-        r["model"].partition("+")[0] == k and r.get("mode") == "nvme" for r in saved["runs"])}
+    nvme_keys = {r["model"].partition("+")[0] for r in saved["runs"] if r.get("mode") == "nvme"}
+    extra = {k: f for k in nvme_keys - set(mem_step) if (f := floor_of(k, floors)) is not None}
     if extra:
         lines += ["", "In-memory step (the compute floor) of the models too large for memory, extrapolated linearly in "
                   "the layer count from the in-memory runs of the same width and precision (the step / max column uses "
@@ -136,9 +150,8 @@ def markdown(saved: dict) -> str:
                   "in flight), training thread waiting on I/O:", "",
                   "| model | precision | forward | backward | engine.step() |", "|---|---|---|---|---|"]
         for r in split:
-            base, plus, variant = r["model"].partition("+")
-            model, _, precision = base.partition("@")
+            model, precision = _label(r)
             cells = [" / ".join(f"{x[ph][0]:.1f} wall, {x[ph][1]:.1f} CPU, {x[ph][2]:.1f} busy, {x[ph][3]:.1f} wait"
                                 for x in r["phase_split_s"]) for ph in ("forward", "backward", "step")]
-            lines.append(f"| {model} | {(precision or 'fp32') + plus + variant} {r.get('mode', '')} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model} | {precision} {r.get('mode', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
