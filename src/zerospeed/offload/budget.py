@@ -17,6 +17,9 @@ host (the compute device's working set is counted here too: on a CPU machine it 
   gathered          the unit in use and the prefetched ones: (1 + ceil(prefetch / unit)) x unit, param dtype
   backward          one unit's full gradients and the reduce-scatter bucket (units are added to it until it
                     holds reduce_bucket_size elements): unit + max(unit, bucket), param dtype
+  recycled          free storages `hostmem.recycled` keeps for the next unit, one per byte size: a reduce-scatter
+                    bucket of one unit (N x unit shard, param dtype) and an fp32 gradient shard (the same size
+                    under bf16 at N = 2), at most RECYCLE_MAX_IDLE_BYTES
 disk
   optimizer         (1 + states) x 4 x Ψ/N (master + Adam's two moments, fp32)
   gradients         (stage 3, optimizer on nvme) 4 x Ψ/N, or 2 x Ψ/N under bf16/fp16 with one micro-step
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hostmem import RECYCLE_MAX_IDLE_BYTES
 from .policy import OffloadPolicy
 
 __all__ = ["RankBudget", "rank_budget", "largest_model"]
@@ -109,6 +113,7 @@ def rank_budget(policy: OffloadPolicy, *, numel: int, largest_unit: int, world: 
         host.setdefault("gradients", shard * FP32)
         host["gathered"] = (1 + max(1, _ceil_div(prefetch_bucket_size, unit))) * unit * param_bytes
         host["backward"] = (unit + max(unit, min(reduce_bucket_size, numel))) * param_bytes
+        host["recycled"] = min(RECYCLE_MAX_IDLE_BYTES, sum({world * param_bytes * ushard, FP32 * ushard}))
     return RankBudget(host, disk)
 
 

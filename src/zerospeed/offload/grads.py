@@ -23,7 +23,8 @@ from collections import OrderedDict
 
 import torch
 
-from .aio import IOHandle, aligned_empty
+from .aio import IOHandle
+from .hostmem import recycled
 from .swap import SwapSpace
 
 __all__ = ["SwappedGrads", "widen_into"]
@@ -55,7 +56,7 @@ class SwappedGrads:
 
     def buffer(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An aligned host buffer [numel] (default dtype: fp32) to compute a gradient into before `write`."""
-        return aligned_empty(numel, dtype or self.dtype)
+        return recycled.empty(numel, dtype or self.dtype)
 
     def has(self, m: int) -> bool:
         """Master m has a gradient this step (written since the last `clear`)."""
@@ -106,7 +107,7 @@ class SwappedGrads:
         if m not in self.low:
             return self.swap.read(self.key(m), into, start * into.element_size())
         dtype, post = self.low[m]
-        stage = aligned_empty(into.numel(), dtype)
+        stage = recycled.empty(into.numel(), dtype)
         return _Widen(self.swap.read(self.key(m), stage, start * stage.element_size()), stage, into, post)
 
     def total_squares(self) -> torch.Tensor:

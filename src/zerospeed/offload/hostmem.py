@@ -12,10 +12,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["return_freed_memory_to_os"]
+__all__ = ["return_freed_memory_to_os", "advise_huge_pages", "RecycledBuffers", "recycled", "host_empty"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 1 << 20
+_MADV_HUGEPAGE = 14  # Linux
+HUGE_PAGE_BYTES = 2 << 20
 
 
 def _libc():
@@ -23,6 +25,30 @@ def _libc():
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
+
+
+_madvise = None
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Ask Linux to back the 2 MiB-aligned part of `tensor`'s storage (host memory, not yet touched) with
+    transparent huge pages (madvise MADV_HUGEPAGE; what torch's THP_MEM_ALLOC_ENABLE does for every
+    allocation, here only for the offload path's large buffers). A fresh 4 KiB-page buffer costs one page
+    fault and a zeroed page per 4 KiB on first touch: measured here, filling a fresh 80 MB bf16 buffer took
+    5.7x the time of filling a used one, 1.7x with huge pages (bench/README.md, session 19). Returns False
+    where it does not apply (not Linux/glibc, under 2 MiB, THP disabled: nothing changes)."""
+    global _madvise
+    if _madvise is None:
+        libc = _libc()
+        _madvise = getattr(libc, "madvise", False) if libc is not None else False
+        if _madvise:
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    storage = tensor.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    lo, hi = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if not _madvise or hi <= lo:
+        return False
+    return _madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
 def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -34,3 +60,109 @@ def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
     libc.malloc_trim(0)
     return ok
+
+
+class RecycledBuffers:
+    """Host buffers of the offload data path handed out again instead of freed and re-allocated.
+
+    A transient host buffer of tens of MB (a unit's reduce-scatter bucket, its fp32 gradient, the staging
+    of its new parameter shard) that is allocated afresh every step is a new mapping (the 1 MiB mmap
+    threshold above): the kernel zeroes each of its pages on first touch, which costs more than the copy
+    that fills it (measured here: filling a fresh 160 MB fp32 buffer from bf16 takes 4.8x the time of
+    filling a used one; `bench/README.md`, session 19). This cache keeps the storages of finished buffers
+    and hands one out again for a request of the same byte size. A storage is free when nothing but the
+    cache references it (every tensor viewing it is gone: `torch._C._storage_Use_Count`), so a buffer still
+    read by an I/O request or a collective is never handed out twice.
+
+    max_idle_bytes: free storages kept at most (least recently used dropped first); per_size: free
+    storages kept per byte size. Thread-safe. Without the use-count hook (another torch) nothing is kept.
+    """
+
+    def __init__(self, max_idle_bytes: int, per_size: int = 1):
+        import threading
+
+        import torch
+
+        self._torch, self._lock = torch, threading.Lock()
+        self.max_idle_bytes, self.per_size = int(max_idle_bytes), int(per_size)
+        self._entries: list = []  # [UntypedStorage], least recently handed out first
+        self._use_count = getattr(torch._C, "_storage_Use_Count", None)
+        self.reused = self.allocated = 0  # counters (tests, benchmarks)
+
+    def _free(self, storage) -> bool:
+        return self._use_count(storage._cdata) == 1
+
+    def empty(self, numel: int, dtype, *, alignment: int = 4096):
+        """An uninitialised 1-D host tensor [numel] of `dtype` whose data_ptr() is a multiple of `alignment`
+        bytes and whose storage holds aligned_numel(numel) elements from data_ptr() on (legal for O_DIRECT),
+        from a free cached storage of the same size when there is one."""
+        from .aio import aligned_numel
+
+        torch = self._torch
+        usable = aligned_numel(numel, dtype, alignment) * dtype.itemsize
+        size = usable + alignment
+        storage = None
+        with self._lock:
+            if self._use_count is not None:
+                hit = next((i for i, s in enumerate(self._entries) if s.nbytes() == size and self._free(s)), None)
+                if hit is not None:
+                    storage = self._entries.pop(hit)
+                    self.reused += 1
+            if storage is None:
+                storage = torch.empty(size, dtype=torch.uint8).untyped_storage()
+                advise_huge_pages(torch.empty(0, dtype=torch.uint8).set_(storage))
+                self.allocated += 1
+            if self._use_count is not None and self.max_idle_bytes > 0:
+                self._entries.append(storage)
+                self._trim()
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        skip = -raw.data_ptr() % alignment
+        return raw[skip:skip + usable].view(dtype)[:numel]
+
+    def _trim(self) -> None:
+        """Drop free storages beyond `per_size` of a size and beyond `max_idle_bytes` in all (oldest first)."""
+        free = [s for s in self._entries if self._free(s)]
+        seen: dict[int, int] = {}
+        idle = sum(s.nbytes() for s in free)
+        drop = set()
+        for s in reversed(free):  # newest first: they are kept
+            seen[s.nbytes()] = seen.get(s.nbytes(), 0) + 1
+            if seen[s.nbytes()] > self.per_size:
+                drop.add(id(s))
+                idle -= s.nbytes()
+        for s in free:  # oldest first
+            if idle <= self.max_idle_bytes:
+                break
+            if id(s) not in drop:
+                drop.add(id(s))
+                idle -= s.nbytes()
+        if drop:
+            self._entries = [s for s in self._entries if id(s) not in drop]
+
+    def idle_bytes(self) -> int:
+        """Bytes of the free storages the cache holds now."""
+        with self._lock:
+            return sum(s.nbytes() for s in self._entries if self._use_count is not None and self._free(s))
+
+    def clear(self) -> None:
+        """Drop every free storage (storages still in use are forgotten too: they are freed with their last view)."""
+        with self._lock:
+            self._entries = []
+
+
+RECYCLE_MAX_IDLE_BYTES = 1 << 30
+recycled = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES)
+"""The process's cache of offload host buffers (`RecycledBuffers`; at most 1 GiB of free storages, 1 per size)."""
+
+
+def host_empty(numel: int, dtype, device):
+    """An uninitialised 1-D tensor [numel] on `device`: from `recycled` on the host (page-aligned), a plain
+    `torch.empty` on an accelerator (whose caching allocator already reuses memory)."""
+    import torch
+
+    from .aio import HOST
+
+    device = torch.device(device)
+    if device.type == HOST.type:
+        return recycled.empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)

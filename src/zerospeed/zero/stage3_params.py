@@ -12,7 +12,9 @@ Storage (as in FSDP2's `FSDPParam`, whose per-parameter state we mirror; DeepSpe
 
 * each unit owns one persistent full buffer `full` ([padded] elements). While SHARDED its storage is
   resized to 0 bytes; gathering resizes it back and all-gathers into it. Views of it saved by
-  autograd during forward therefore see the re-gathered values in backward without a copy.
+  autograd during forward therefore see the re-gathered values in backward without a copy. On the
+  host the fresh mapping is advised to use huge pages (`offload.hostmem.advise_huge_pages`): page faults
+  on first touch cost more than the all-gather's copy otherwise.
 * a parameter's `.data` is a view into `full` while the unit is GATHERED and a 0-element
   placeholder otherwise, so a stray use fails on the shape instead of reading freed memory.
   Tensors derived from a gathered parameter (`p.detach()`, views) are valid only while its unit is
@@ -30,6 +32,8 @@ from torch import nn
 from ..comm.collectives import GroupCollectives
 from ..comm.ops import CommHandle
 from ..offload.grads import widen_into
+from ..offload.aio import HOST
+from ..offload.hostmem import advise_huge_pages, host_empty
 from .clipping import sum_of_squares
 from .partition import FlatPartition, plan_one_chunk
 
@@ -59,7 +63,7 @@ def _row_pieces(offset: int, numel: int, row: int):
 
 def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
     """A reduced 2-byte gradient as the fp32 accumulator value: float(low) x (1 / post)."""
-    return widen_into(torch.empty(low.shape, dtype=dtype, device=low.device), low, post)
+    return widen_into(host_empty(low.numel(), dtype, low.device).view(low.shape), low, post)
 
 
 def _add_reduced(grad: torch.Tensor, reduced: torch.Tensor, post: float) -> None:
@@ -81,7 +85,7 @@ def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, pr
     dropped. Units must share reduce_dtype and device (one policy per strategy)."""
     u0, world, rank = units[0], units[0].world, units[0].rank
     cols = [u.layout.shard_numel for u in units]
-    bucket = torch.empty(world, sum(cols), dtype=u0.reduce_dtype, device=u0.full.device)
+    bucket = host_empty(world * sum(cols), u0.reduce_dtype, u0.full.device).view(world, sum(cols))
     pieces, c = [], 0
     for u, k in zip(units, cols):
         u.take_grads(bucket[:, c:c + k])
@@ -220,6 +224,8 @@ class ShardedUnit:
         group of `world` ranks this unit is sharded over)."""
         self._to(ParamStatus.GATHERING)
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        if self.full.device.type == HOST.type:
+            advise_huge_pages(self.full)  # a fresh mapping, filled next: fewer page faults
         if self.layout.padded_numel:
             self.handle = comms.start_all_gather(self.full, self._lp_source())
 

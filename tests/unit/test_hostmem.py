@@ -1,0 +1,74 @@
+"""offload.hostmem: recycled host buffers (handed out again only when nothing else holds them) and the
+huge-page advice for fresh large buffers."""
+import gc
+
+import torch
+
+from zerospeed.offload.hostmem import RecycledBuffers, advise_huge_pages, host_empty
+
+MB = 1 << 20
+
+
+def test_a_buffer_is_reused_only_once_every_view_of_it_is_gone():
+    cache = RecycledBuffers(max_idle_bytes=64 * MB)
+    a = cache.empty(1000, torch.float32)
+    first = a.data_ptr()
+    assert first % 4096 == 0 and a.numel() == 1000 and a.dtype == torch.float32
+    view = a[10:20]
+    del a
+    b = cache.empty(1000, torch.float32)  # `view` still holds the first storage
+    assert b.data_ptr() != first and (cache.reused, cache.allocated) == (0, 2)
+    del view, b
+    gc.collect()
+    c = cache.empty(1000, torch.float32)
+    assert c.data_ptr() == first and cache.reused == 1
+    del c
+    d = cache.empty(250, torch.float64)  # another dtype of the same byte size (2 pages) reuses too
+    assert cache.reused == 2 and d.numel() == 250 and d.data_ptr() % 4096 == 0
+
+
+def test_a_buffer_an_io_request_holds_is_not_handed_out(tmp_path):
+    """An IOHandle keeps its tensor: until it is waited and dropped, the storage stays in use."""
+    from zerospeed.offload.aio import AsyncIO
+    cache = RecycledBuffers(max_idle_bytes=64 * MB)
+    aio = AsyncIO(thread_count=1)
+    try:
+        buf = cache.empty(4096, torch.float32).fill_(3.0)
+        ptr = buf.data_ptr()
+        handle = aio.submit_write(tmp_path / "f", buf)
+        del buf
+        other = cache.empty(4096, torch.float32)
+        assert other.data_ptr() != ptr
+        handle.wait()
+        del handle, other
+        cache.empty(4096, torch.float32)
+        assert cache.reused == 1  # a free one of the two (the pool's worker may still hold its request a moment)
+        back = torch.empty(4096)
+        aio.read(tmp_path / "f", back)
+        assert torch.equal(back, torch.full((4096,), 3.0))
+    finally:
+        aio.close()
+
+
+def test_free_storages_are_bounded_per_size_and_in_bytes():
+    cache = RecycledBuffers(max_idle_bytes=3 * MB, per_size=1)
+    held = [cache.empty(MB // 4, torch.float32) for _ in range(3)]  # 3 x 1 MiB (+ a page of alignment)
+    del held
+    small = cache.empty(16, torch.float32)  # any call trims: one free storage of the 1 MiB size is kept
+    assert cache.idle_bytes() == MB + 4096  # usable bytes + a page of alignment slack
+    big = [cache.empty(MB // 2, torch.float32) for _ in range(2)]  # 2 MiB each
+    del big
+    small2 = cache.empty(16, torch.float32)  # one 2 MiB storage kept; with the 1 MiB one over 3 MiB: that goes
+    assert cache.idle_bytes() == 2 * MB + 4096 and small.data_ptr() != small2.data_ptr()
+
+
+def test_host_empty_and_huge_page_advice():
+    t = host_empty(10 * MB // 4, torch.float32, torch.device("cpu"))
+    assert t.shape == (10 * MB // 4,) and t.data_ptr() % 4096 == 0
+    assert advise_huge_pages(torch.empty(16)) is False  # under 2 MiB: nothing to advise
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = "[never]" not in f.read()
+    except OSError:
+        thp = False
+    assert advise_huge_pages(torch.empty(4 * MB)) is thp
