@@ -111,6 +111,32 @@ def test_param_swapper_cache_prefetch_and_store(swap):
         ps.add(9, torch.zeros(101))
 
 
+def test_param_swapper_open_store_fills_its_buffer_in_place(swap):
+    """open_store hands out the unit's own buffer (filled a tile at a time, no staging copy); while open it is
+    never evicted for another unit's read; close_store writes it out and it stays the cached copy."""
+    ps = ParamSwapper(swap, buffer_count=2, buffer_size=100, max_in_cpu=0, dtype=torch.float32)
+    for i in range(3):
+        ps.add(i, torch.full((100,), float(i)))
+    ps.acquire(0)
+    ps.release(0)  # unit 0 cached: the least recently used buffer from here on
+    buf = ps.open_store(0)
+    assert buf.data_ptr() == ps.live[0].data_ptr() and ps.reads_done == 1  # its cached buffer, nothing read
+    buf[:40].fill_(-1.0)
+    for i in (1, 2):  # reads through the 2-buffer pool while unit 0's is open: they share the other buffer
+        assert torch.equal(ps.acquire(i), torch.full((100,), float(i)))
+        ps.release(i)
+    assert ps.live[0].data_ptr() == buf.data_ptr() and 1 not in ps.live and ps.extra_allocations == 0
+    buf[40:].fill_(-2.0)
+    ps.close_store(0)
+    ps.drain()
+    want = torch.cat([torch.full((40,), -1.0), torch.full((60,), -2.0)])
+    reads = ps.reads_done
+    assert torch.equal(ps.acquire(0), want) and ps.reads_done == reads  # the cached copy
+    ps.release(0)
+    ps._evict(0)
+    assert torch.equal(ps.acquire(0), want)  # and the file
+
+
 def test_policy_from_config_and_unsupported_keys():
     """OffloadPolicy reads DeepSpeed's keys; partial offload and GDS are errors before any process group."""
     import zerospeed

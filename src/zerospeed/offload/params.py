@@ -101,9 +101,16 @@ class ParamSwapper:
     def store(self, i: int, values: torch.Tensor) -> None:
         """Unit i's shard has new values (after an optimizer step or a modifier-rank edit): put them in
         its buffer (a cached copy stays valid) and start writing them to disk."""
+        self.open_store(i).copy_(values)
+        self.close_store(i)
+
+    def open_store(self, i: int) -> torch.Tensor:
+        """Unit i's buffer [numel], to be filled with its new values in place (a part at a time: the optimizer
+        steps a shard tile by tile) before `close_store(i)` writes it out; `store` without a staging copy.
+        Until then the buffer is in use: never evicted, never read into. A unit kept resident (max_in_cpu)
+        returns its tensor itself. Do not gather the unit between the two calls."""
         if i in self.kept:
-            self.kept[i].copy_(values)
-            return
+            return self.kept[i]
         self._wait_write(i)
         if i in self.live:
             handle = self.reads.pop(i, None)
@@ -111,9 +118,16 @@ class ParamSwapper:
                 handle.wait()
         else:
             self.live[i] = self._take(self.numel[i])
-        buf = self.live[i]
-        buf.copy_(values)
-        self.writes[i] = self.swap.write(self.key(i), buf)
+        self.users[i] = self.users.get(i, 0) + 1
+        return self.live[i]
+
+    def close_store(self, i: int) -> None:
+        """Unit i's buffer holds its new values (`open_store`): start writing them to disk; the buffer stays
+        a cached copy."""
+        if i in self.kept:
+            return
+        self.writes[i] = self.swap.write(self.key(i), self.live[i])
+        self.release(i)
 
     def drain(self) -> None:
         """Wait for every write."""

@@ -119,7 +119,7 @@ class Stage3Strategy(ZeroStrategy):
                 u.shard.untyped_storage().resize_(0)
             self.units.append(u)
         self._swapped_units = [u for u in self.units if u.master_store is not None]
-        self._lp_stage: torch.Tensor | None = None
+        self._lp_stage: torch.Tensor | None = None  # the swap buffer of the shard whose tiles are being written
         self._backward_steps: BackwardSteps | None = None  # super_offload
         self._deferred: frozenset[int] = frozenset()  # masters whose step waits for the next forward
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
@@ -233,11 +233,11 @@ class Stage3Strategy(ZeroStrategy):
         if u.swapper is None:
             u.lp_shard[rows[0]:rows[1]].copy_(values)
             return
-        if rows[0] == 0:  # an NVMe shard is written whole: assemble its tiles first
-            self._lp_stage = torch.empty(u.layout.shard_numel, dtype=u.full.dtype, device=values.device)
+        if rows[0] == 0:  # an NVMe shard is written whole: its tiles are assembled in its swap buffer first
+            self._lp_stage = u.swapper.open_store(u.index)
         self._lp_stage[rows[0]:rows[1]].copy_(values)
         if rows[1] == u.layout.shard_numel:
-            u.set_lp(self._lp_stage)
+            u.swapper.close_store(u.index)
             self._lp_stage = None
 
     # -- lookups and the context API (stage3_context.py calls these) ----------------------------
