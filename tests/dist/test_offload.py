@@ -102,7 +102,6 @@ def _train(cfg, world, steps=STEPS):
     return {"losses": losses, "state": {k: v.float() for k, v in state.items()}, "memory": mem,
             "in_backward": steps.stepped if steps is not None else 0, "tiles": tiles,
             "deferred": steps.stepped_deferred if steps is not None else 0,
-            "read_ahead": steps.read_ahead if steps is not None else 0,
             "disk": disk, "dirs_left": [d for d in swap_dirs if os.path.exists(d)], "had_dirs": len(swap_dirs)}
 
 
@@ -143,9 +142,6 @@ def test_super_offload_steps_in_backward(results):
             got = res[rank][name]
             assert got["tiles"] > 1 and got["in_backward"] + got["deferred"] == (STEPS - 1) * got["tiles"], name
             assert 0 < got["deferred"] <= 0.5 * (STEPS - 1) * got["tiles"], name
-            # from the third backward on (the order is learned in the second) the next masters' states are read
-            # before their gradients arrive; the losses above equal the in-memory run's all the same
-            assert got["read_ahead"] > 0, name
         assert res[rank]["s3-super-clipped"]["in_backward"] == res[rank]["s3-super-clipped"]["deferred"] == 0
 
 

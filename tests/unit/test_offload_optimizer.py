@@ -58,55 +58,6 @@ def test_swapped_adamw_equals_in_memory(swap, pipeline, sub_group_size):
     assert swap.bytes_on_disk() >= 3 * sum(t.numel() for t in init) * 4
 
 
-@pytest.mark.parametrize("orders", [
-    ([2, 1, 0], [2, 1, 0], [2, 1, 0]),  # the order learned: the next masters' states are read ahead
-    ([2, 1, 0], [0, 1, 2], [1, 2, 0]),  # out of the expected order: read-ahead dropped, then none
-], ids=["learned", "reordered"])
-def test_backward_steps_read_ahead_keeps_the_numbers(swap, orders):
-    """BackwardSteps (super_offload) reads the master + states of the masters expected next before their
-    gradients arrive; stepped in any order of submission, the values equal AdamW in memory bit for bit, and
-    a master that comes out of the expected order never waits forever for a buffer set."""
-    from zerospeed.offload.backward_steps import BackwardSteps
-    torch.manual_seed(0)
-    init = [torch.randn(30), torch.randn(20), torch.randn(25)]
-    ref = [t.clone().requires_grad_() for t in init]
-    ref_opt = _adamw(ref)
-    sw = SwappedOptimizer(make_optimizer=_adamw, swap=swap, sub_group_size=10)  # 3 + 2 + 3 tiles
-    for t in init:
-        sw.add_master(t)
-    sw.build()
-    compute = [torch.zeros_like(t) for t in init]
-
-    def write(m, rows, values):
-        compute[m][rows[0]:rows[1]].copy_(values)
-
-    def reference_step(grads):
-        for r, g in zip(ref, grads):
-            r.grad = g.clone()
-        ref_opt.step()
-
-    grads = [torch.randn_like(t) for t in init]
-    reference_step(grads)
-    sw.step(grads, write)  # the first step learns the states
-    steps = BackwardSteps(sw, write, sets=4, max_pending=1)
-    for order in orders:
-        steps.start_backward()
-        steps.poll()  # a gradient hook before the first gradient is reduced
-        grads = [torch.randn_like(t) for t in init]
-        reference_step(grads)
-        for m in order:
-            assert steps.takes(m)
-            steps.submit(m, grads[m].clone())
-        steps.finish()
-        for m, r in enumerate(ref):
-            assert torch.equal(compute[m], r.detach()), (order, m)
-            assert torch.equal(sw.read_master(m), r.detach())
-    assert steps.stepped == 3 * len(sw.tiles) and not steps.ahead and len(steps.free) == 4
-    # backward 1 knows no order; 2 and 3 read master 2's first 3 tiles at the hook (one set stays free), then
-    # more as sets free up; reordered: backward 2 reads ahead for master 2, gets master 0 first, drops them
-    assert steps.read_ahead >= (6 if orders[1] == orders[0] else 3)
-
-
 def test_write_master_then_step(swap):
     """write_master (a GatheredParameters edit) replaces the values the next step starts from."""
     sw = SwappedOptimizer(make_optimizer=lambda p: torch.optim.SGD(p, lr=0.5), swap=swap, sub_group_size=4)

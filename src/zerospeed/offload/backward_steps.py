@@ -26,12 +26,6 @@ master's tiles in order). When more than `max_pending` masters hold in-memory gr
 stepped, `submit` blocks on the oldest tile (the memory bound: `max_pending` + 1 gradients, and
 `sets` buffer sets). `finish()` completes everything queued.
 
-Read-ahead: a tile's master and states do not depend on its gradient, so with buffer sets to spare (one
-always stays free) the tiles of the masters expected next - the previous backward's order - are read
-before their gradients arrive: the disk works while the backward computes instead of waiting for the
-next reduction. A master that comes out of the expected order drops what was read ahead (read again
-in its turn) and ends read-ahead for that backward.
-
 The numbers are those of the step at `engine.step()`: the same gradient values reach the same
 elementwise optimizer with the same hyperparameters, tile by tile.
 """
@@ -81,12 +75,10 @@ class BackwardSteps:
         self.defer_fraction = defer_fraction
         self.defer: frozenset[int] = frozenset()  # known from the second backward on (the order is learned)
         self.order: list[int] = []  # masters in the order this backward reduced them
-        self.expect: list[int] = []  # masters this backward will step, in the previous one's order (read-ahead)
-        self.ahead: dict[int, _Entry] = {}  # tile -> an entry whose master + states are read before its gradient
         self.free = list(range(len(self.sets)))
         self.queue: deque[_Entry] = deque()
         self.done: set[int] = set()  # indices (in opt.tiles) of the tiles stepped since `start_backward`
-        self.stepped = self.stepped_deferred = self.read_ahead = 0
+        self.stepped = self.stepped_deferred = 0
 
     def _deferred_masters(self, order: list[int], fraction: float) -> frozenset[int]:
         """The first masters of a backward's reduction `order` whose elements add up to at most `fraction` of
@@ -112,7 +104,6 @@ class BackwardSteps:
         self.done = set()
         if self.order:
             self.defer = self._deferred_masters(self.order, self.defer_fraction)
-        self.expect = [m for m in dict.fromkeys(self.order) if m not in self.defer]
         self.order = []
 
     def takes(self, m: int) -> bool:
@@ -126,12 +117,7 @@ class BackwardSteps:
         numel: unscaled, reduced, accumulated; not modified afterwards)."""
         for t in self.opt.tiles_of(m):
             tile = self.opt.tiles[t]
-            view = grad[tile.first_element:tile.first_element + tile.numel].view(tile.shape)
-            e = self.ahead.pop(t, None)  # its master and states may be read already
-            if e is None:
-                e = _Entry(t)
-            e.grad = view
-            self.queue.append(e)
+            self.queue.append(_Entry(t, grad=grad[tile.first_element:tile.first_element + tile.numel].view(tile.shape)))
         self.poll()
         while len({self.opt.tiles[e.tile].master for e in self.queue if e.grad is not None}) > self.max_pending:
             self._advance()
@@ -165,23 +151,13 @@ class BackwardSteps:
         """Complete every queued tile; returns the indices of the tiles stepped since `start_backward`."""
         while self.queue:
             self._advance()
-        self.expect = []
-        self._drop_ahead()
         return self.done
 
     def _advance(self) -> None:
         """Make progress on the oldest tile, blocking."""
         e = self.queue[0]
-        if e.state == "queued" and not self.free:  # every set is held by tiles read ahead of it
-            if self.ahead:  # not submitted yet: a master came out of the expected order
-                self._drop_ahead()
-                self.expect = []  # no more read-ahead in this backward
-            else:  # submitted after it: give one set back (it is read again in its turn)
-                later = next(x for x in reversed(self.queue) if x.state == "reading")
-                for h in later.reads:
-                    h.wait()
-                self.free.append(later.set)
-                later.set, later.reads, later.state = None, [], "queued"
+        if e.state == "queued" and not self.free:
+            self._retire(block=True)
         elif e.state == "reading":
             self._step(e)
         elif e.state == "writing":
@@ -199,38 +175,6 @@ class BackwardSteps:
                 if e.store is not None:
                     e.reads.append(e.store.read_rows(tile.master, tile.first_element, bufs[-1][:tile.numel]))
                 e.state = "reading"
-        self._read_ahead()
-
-    def _read_ahead(self) -> None:
-        """With sets to spare (one stays free), read the master + states of the next expected masters' tiles
-        before their gradients arrive: the disk works while the backward computes instead of idling until a
-        gradient is reduced. A master stepped out of the expected order drops them (`_drop_ahead`)."""
-        submitted = set(self.order)
-        while self.expect and (self.expect[0] in submitted):
-            self.expect.pop(0)
-        for m in self.expect:
-            if len(self.free) <= 1:
-                return
-            if m in submitted:
-                continue
-            for t in self.opt.tiles_of(m):
-                if t in self.ahead:
-                    continue
-                if len(self.free) <= 1:
-                    return
-                e = _Entry(t)
-                e.set = self.free.pop(0)
-                e.reads, e.state = self.opt._read(self.opt.tiles[t], self.sets[e.set]), "reading"
-                self.ahead[t] = e
-                self.read_ahead += 1
-
-    def _drop_ahead(self) -> None:
-        """Give back the sets of tiles read ahead (after their reads finish)."""
-        for e in self.ahead.values():
-            for h in e.reads:
-                h.wait()
-            self.free.append(e.set)
-        self.ahead = {}
 
     def _step(self, e: _Entry) -> None:
         for h in e.reads:
