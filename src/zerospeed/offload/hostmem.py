@@ -66,7 +66,7 @@ class RecycledBuffers:
     """Host buffers of the offload data path handed out again instead of freed and re-allocated.
 
     A transient host buffer of tens of MB (a unit's reduce-scatter bucket, its fp32 gradient, the staging
-    of its new parameter shard) that is allocated afresh every step is a new mapping (the 1 MiB mmap
+    of a 2-byte gradient read back from disk) that is allocated afresh every step is a new mapping (the 1 MiB mmap
     threshold above): the kernel zeroes each of its pages on first touch, which costs more than the copy
     that fills it (measured here: filling a fresh 160 MB fp32 buffer from bf16 takes 4.8x the time of
     filling a used one; `bench/README.md`, session 19). This cache keeps the storages of finished buffers
@@ -143,11 +143,6 @@ class RecycledBuffers:
         """Bytes of the free storages the cache holds now."""
         with self._lock:
             return sum(s.nbytes() for s in self._entries if self._use_count is not None and self._free(s))
-
-    def clear(self) -> None:
-        """Drop every free storage (storages still in use are forgotten too: they are freed with their last view)."""
-        with self._lock:
-            self._entries = []
 
 
 RECYCLE_MAX_IDLE_BYTES = 1 << 30
