@@ -54,6 +54,13 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT,
     usable = aligned_numel(numel, dtype, alignment) * dtype.itemsize
     raw = torch.empty(usable + alignment, dtype=torch.uint8, device=HOST,
                       pin_memory=pin and _accelerator_available())
+    return aligned_view(raw, numel, dtype, alignment)
+
+
+def aligned_view(raw: torch.Tensor, numel: int, dtype: torch.dtype, alignment: int = ALIGNMENT) -> torch.Tensor:
+    """`aligned_empty`'s carving: the [numel] `dtype` view of the 1-D uint8 tensor `raw` (at least
+    aligned_numel(numel) * itemsize + alignment bytes) that starts at its first `alignment`-byte boundary."""
+    usable = aligned_numel(numel, dtype, alignment) * dtype.itemsize
     skip = -raw.data_ptr() % alignment
     return raw[skip:skip + usable].view(dtype)[:numel]
 

@@ -96,12 +96,11 @@ class RecycledBuffers:
         """An uninitialised 1-D host tensor [numel] of `dtype` whose data_ptr() is a multiple of `alignment`
         bytes and whose storage holds aligned_numel(numel) elements from data_ptr() on (legal for O_DIRECT),
         from a free cached storage of the same size when there is one."""
-        from .aio import aligned_numel
+        from .aio import aligned_numel, aligned_view
 
         torch = self._torch
-        usable = aligned_numel(numel, dtype, alignment) * dtype.itemsize
-        size = usable + alignment
-        storage = None
+        size = aligned_numel(numel, dtype, alignment) * dtype.itemsize + alignment
+        storage, fresh = None, False
         with self._lock:
             if self._use_count is not None:
                 hit = next((i for i, s in enumerate(self._entries) if s.nbytes() == size and self._free(s)), None)
@@ -109,15 +108,15 @@ class RecycledBuffers:
                     storage = self._entries.pop(hit)
                     self.reused += 1
             if storage is None:
-                storage = torch.empty(size, dtype=torch.uint8).untyped_storage()
-                advise_huge_pages(torch.empty(0, dtype=torch.uint8).set_(storage))
+                storage, fresh = torch.empty(size, dtype=torch.uint8).untyped_storage(), True
                 self.allocated += 1
             if self._use_count is not None and self.max_idle_bytes > 0:
                 self._entries.append(storage)
                 self._trim()
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-        skip = -raw.data_ptr() % alignment
-        return raw[skip:skip + usable].view(dtype)[:numel]
+        if fresh:
+            advise_huge_pages(raw)
+        return aligned_view(raw, numel, dtype, alignment)
 
     def _trim(self) -> None:
         """Drop free storages beyond `per_size` of a size and beyond `max_idle_bytes` in all (oldest first)."""
