@@ -72,6 +72,7 @@ class SwapSpace:
         owner = {"hostname": socket.gethostname(), "pid": os.getpid(), "rank": rank, "created": time.time()}
         atomic_write(self.path / OWNER_FILE, lambda p: p.write_text(json.dumps(owner)))
         self._handles: list[IOHandle] = []
+        self._track_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
 
@@ -148,7 +149,8 @@ class SwapSpace:
         return self.file(key)
 
     def _track(self, handle: IOHandle) -> IOHandle:
-        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        with self._track_lock:  # the training thread and super_offload's worker both submit
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
         return handle
 
 
