@@ -13,9 +13,6 @@ elements of shards (first units first) stay resident in host memory instead, as 
 """
 from __future__ import annotations
 
-import functools
-import threading
-
 import torch
 
 from .aio import aligned_empty
@@ -24,23 +21,12 @@ from .swap import BufferPool, SwapSpace
 __all__ = ["ParamSwapper"]
 
 
-def _locked(method):
-    """Run under the swapper's lock: super_offload's worker thread stores shards while the training thread
-    gathers (`offload.backward_steps`)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return run
-
-
 class ParamSwapper:
     """Parameter shards of gather units (keyed by unit index) in `swap`, read through a buffer pool.
 
     buffer_count / buffer_size: the pool (`offload_param.buffer_count` x `buffer_size` elements of
     `dtype`); a unit's shard must fit one buffer. max_in_cpu: elements kept resident instead.
     Raises ValueError (from the pool) when a shard is larger than buffer_size, naming both sizes.
-    Thread-safe (one lock; a read or write it waits for is waited under it).
     """
 
     def __init__(self, swap: SwapSpace, *, buffer_count: int, buffer_size: int, max_in_cpu: int,
@@ -62,13 +48,11 @@ class ParamSwapper:
         self.reads_done = 0  # number of shard reads issued (tests and benchmarks)
         self._extra: set[int] = set()  # storages of buffers allocated beyond the pool (freed on eviction)
         self.extra_allocations = 0
-        self._lock = threading.RLock()
 
     @staticmethod
     def key(i: int) -> str:
         return f"param_unit{i}"
 
-    @_locked
     def add(self, i: int, values: torch.Tensor) -> torch.Tensor | None:
         """Take unit i's shard `values` (1-D, parameter dtype). Returns the resident tensor if it stays in
         host memory (max_in_cpu), else writes it to disk and returns None."""
@@ -86,7 +70,6 @@ class ParamSwapper:
         return i in self.numel and i not in self.kept
 
     # -- use -------------------------------------------------------------------------------------
-    @_locked
     def acquire(self, i: int) -> torch.Tensor:
         """Unit i's shard in host memory (read now unless cached or prefetched); start reads of the
         units expected next. Pair with release(i)."""
@@ -105,7 +88,6 @@ class ParamSwapper:
         self._prefetch(i)
         return self.live[i]
 
-    @_locked
     def release(self, i: int) -> None:
         """Done with unit i's shard (its all-gather finished); a pool buffer stays a cached copy."""
         if i in self.kept:
@@ -116,14 +98,12 @@ class ParamSwapper:
             if self.live[i].untyped_storage().data_ptr() in self._extra:  # never cache beyond the pool
                 self._evict(i)
 
-    @_locked
     def store(self, i: int, values: torch.Tensor) -> None:
         """Unit i's shard has new values (after an optimizer step or a modifier-rank edit): put them in
         its buffer (a cached copy stays valid) and start writing them to disk."""
         self.open_store(i).copy_(values)
         self.close_store(i)
 
-    @_locked
     def open_store(self, i: int) -> torch.Tensor:
         """Unit i's buffer [numel], to be filled with its new values in place (a part at a time: the optimizer
         steps a shard tile by tile) before `close_store(i)` writes it out; `store` without a staging copy.
@@ -141,7 +121,6 @@ class ParamSwapper:
         self.users[i] = self.users.get(i, 0) + 1
         return self.live[i]
 
-    @_locked
     def close_store(self, i: int) -> None:
         """Unit i's buffer holds its new values (`open_store`): start writing them to disk; the buffer stays
         a cached copy."""
@@ -150,13 +129,11 @@ class ParamSwapper:
         self.writes[i] = self.swap.write(self.key(i), self.live[i])
         self.release(i)
 
-    @_locked
     def drain(self) -> None:
         """Wait for every write."""
         for i in list(self.writes):
             self._wait_write(i)
 
-    @_locked
     def resident_bytes(self) -> int:
         """Host bytes: the buffer pool plus the shards kept resident."""
         return self.pool.nbytes + sum(t.numel() * t.element_size() for t in self.kept.values())

@@ -72,7 +72,6 @@ class SwapSpace:
         owner = {"hostname": socket.gethostname(), "pid": os.getpid(), "rank": rank, "created": time.time()}
         atomic_write(self.path / OWNER_FILE, lambda p: p.write_text(json.dumps(owner)))
         self._handles: list[IOHandle] = []
-        self._track_lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
 
@@ -149,8 +148,7 @@ class SwapSpace:
         return self.file(key)
 
     def _track(self, handle: IOHandle) -> IOHandle:
-        with self._track_lock:  # the training thread and super_offload's worker both submit
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
         return handle
 
 

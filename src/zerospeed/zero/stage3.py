@@ -322,12 +322,12 @@ class Stage3Strategy(ZeroStrategy):
         return deferred
 
     def _settle_unit(self, u: ShardedUnit) -> None:
-        if self._backward_steps is not None and self._backward_steps.busy:
+        if self._backward_steps is not None and self._backward_steps.queue:
             self._backward_steps.settle(u.master_index)
 
     def _settle_all(self) -> None:
         """Finish every deferred optimizer step (before anything reads all masters or shards)."""
-        if self._backward_steps is not None and self._backward_steps.busy:
+        if self._backward_steps is not None and self._backward_steps.queue:
             self._backward_steps.finish()
 
     def clip_and_norm(self, max_norm: float, *, loss_scale: float = 1.0) -> float:
@@ -481,8 +481,6 @@ class Stage3Strategy(ZeroStrategy):
         are left empty instead, as DeepSpeed leaves them partitioned: save the model first
         (`save_16bit_model`, `save_checkpoint`, `consolidated_state_dict`)."""
         self._settle_all()
-        if self._backward_steps is not None:
-            self._backward_steps.close()  # its worker thread
         self.scheduler.remove()
         self._state_dict_hooks.remove()
         ctx.unregister_strategy(self)
