@@ -77,16 +77,26 @@ def _reference(world: int, k: int, optimizer: str, unlimited: bool = False):
 
 
 def _engine_run(rank: int, world: int, k: int, optimizer: str, dropless: bool = False, stage: int = 0,
-                offload: bool = False):
+                offload: dict | None = None):
     import zerospeed
 
     torch.manual_seed(0)
     net = Net(2, k, drop_tokens=not dropless)
-    cfg = _config(optimizer, stage)
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    engine, *_ = zerospeed.initialize(model=net, config=cfg)
+    cfg, client = _config(optimizer.removesuffix("-groups"), stage), None
+    if optimizer.endswith("-groups"):  # a client optimizer over DeepSpeed-MoE's groups: dense, then the experts
+        from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer({"params": net.parameters(), "name": "dense"})
+        client = torch.optim.AdamW(groups, **cfg.pop("optimizer")["params"])
+    if offload:  # its "zero" entry: other zero_optimization keys
+        cfg["zero_optimization"].update(offload.get("zero", {}))
+        cfg["zero_optimization"]["offload_optimizer"] = {k: v for k, v in offload.items() if k != "zero"}
+    engine, *_ = zerospeed.initialize(model=net, config=cfg, optimizer=client)
     assert engine.mesh.size("expert") == 2 and engine.mesh.size("expert_data") == world // 2
+    swapped = getattr(engine.strategy, "swapped", None)
+    if offload and offload["device"] == "nvme":  # one NVMe tier: the dense and the expert partition its masters
+        assert swapped is not None and len(swapped.master_shapes) == 2
+        assert swapped.num_groups == (2 if client is not None else 1)
     steps = []
     for batch in _data(world):
         x, y = batch[rank]
@@ -104,8 +114,11 @@ def _partition_numels(engine) -> list:
 
     if not isinstance(engine.strategy, GroupedStage12Strategy):
         return []
-    return [(sum(t.numel() for t in sub.master_params), sub.world, sum(p.numel() for p in sub.params))
-            for sub in engine.strategy.subs]
+    def held(sub):  # NVMe: the master in the swap files, else the segments the optimizer steps
+        if sub.swapped is not None:
+            return sub.swapped.master_shapes[sub.swap_master].numel()
+        return sum(t.numel() for t in sub.master_params)
+    return [(held(sub), sub.world, sum(p.numel() for p in sub.params)) for sub in engine.strategy.subs]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -134,21 +147,28 @@ def test_dropless_equals_unlimited_capacity(world, k):
     _compare(results, *_reference(world, k, "adamw", unlimited=True))
 
 
-@pytest.mark.parametrize("stage,world,k,optimizer,offload", [(2, w, k, o, False) for w in (2, 4) for k in (1, 2)
+@pytest.mark.parametrize("stage,world,k,optimizer,offload", [(2, w, k, o, None) for w in (2, 4) for k in (1, 2)
                                                              for o in ("sgd", "adamw")]
-                         + [(1, 4, 2, "sgd", False), (1, 4, 2, "adamw", False),  # stage 1: a full gradient
-                            (2, 4, 2, "adamw", True)])  # ZeRO-Offload: both partitions' masters on the host
-def test_expert_parallel_zero12_matches_one_process(stage, world, k, optimizer, offload):
+                         + [(1, 4, 2, "sgd", None), (1, 4, 2, "adamw", None),  # stage 1: a full gradient
+                            (2, 4, 2, "adamw", "cpu"),  # ZeRO-Offload: both partitions' masters on the host
+                            # ZeRO-Infinity: in swap files (with a client optimizer's 2 groups: tiles cut at each)
+                            (2, 4, 2, "adamw", "nvme"), (1, 2, 1, "sgd", "nvme"), (2, 4, 1, "adamw-groups", "nvme")])
+def test_expert_parallel_zero12_matches_one_process(stage, world, k, optimizer, offload, tmp_path):
     """ZeRO 1-2: the dense parameters partitioned over the world, the experts over "expert_data" (world / 2
     ranks), one optimizer; the same training as the one-process reference (SGD: a wrong expert divisor shows;
-    AdamW with clipping: the global norm counts each expert once)."""
+    AdamW with clipping: the global norm counts each expert once). NVMe: both partitions' masters and states
+    in one swapped optimizer, stepped tile by tile (sub_group_size 300: several tiles per partition)."""
+    if offload == "nvme":
+        offload = {"device": "nvme", "nvme_path": str(tmp_path), "zero": {"sub_group_size": 300}}
+    elif offload == "cpu":
+        offload = {"device": "cpu"}
     results = run_distributed(_engine_run, world, k, optimizer, False, stage, offload)
     for r in results:  # partition sizes: the ZeRO formula over each set's own group (x 1 chunk, padded to N)
         (dense, n_dense, psi_dense), (experts, n_exp, psi_exp) = r[3]
         assert (n_dense, n_exp) == (world, world // 2)
         assert dense == -(-psi_dense // world) and experts == -(-psi_exp // (world // 2))
         assert psi_exp == (E // 2) * (2 * (M * 2 * M) + 2 * M + M)  # this rank's E / ep experts
-    _compare(results, *_reference(world, k, optimizer))
+    _compare(results, *_reference(world, k, optimizer.removesuffix("-groups")))
 
 
 def _compare(results, ref_steps, ref_params):
@@ -267,10 +287,6 @@ def test_bad_expert_parallel_configs():
         zerospeed.initialize(model=_TwoSizes(), config=_config("sgd"))
     cfg = dict(_config("sgd"), zero_optimization={"stage": 3})
     with pytest.raises(NotImplementedError, match="ep_size=2 at zero_optimization.stage=3 are not supported"):
-        zerospeed.initialize(model=MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2), config=cfg)
-    cfg = dict(_config("sgd"), zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme",
-                                                                                   "nvme_path": "/tmp"}})
-    with pytest.raises(NotImplementedError, match="offload_optimizer.device=nvme are not supported yet"):
         zerospeed.initialize(model=MoE(M, nn.Linear(M, M), num_experts=4, ep_size=2), config=cfg)
 
 

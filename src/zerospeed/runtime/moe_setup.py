@@ -101,7 +101,7 @@ def apply_autoep(blocks: list, ep_size: int, ep_rank: int) -> dict:
 def expert_parallel_size(cfg, model: nn.Module, mpu) -> int:
     """The ep_size shared by the model's MoE layers with ep_size > 1 and AutoEP's autoep_size, or 1. Pure (no
     process group): raises ConfigError when they differ, NotImplementedError for what expert parallelism does
-    not compose with (a user's mpu, ZeRO stage 3, NVMe optimizer offload)."""
+    not compose with (a user's mpu, ZeRO stage 3)."""
     sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1} |
                    ({cfg.expert_parallel.size} if cfg.expert_parallel.size > 1 else set()))
     if not sizes:
@@ -119,10 +119,6 @@ def expert_parallel_size(cfg, model: nn.Module, mpu) -> int:
         raise NotImplementedError(f"MoE layers with ep_size={ep} at zero_optimization.stage=3 are not supported "
                                   "(DeepSpeed 0.19.8 refuses MoE at stage 3 too): use stage 1 or 2, whose expert "
                                   "optimizer states and gradients are partitioned over the expert-data group, or ep_size=1")
-    offload = cfg.zero_optimization.offload_optimizer
-    if cfg.zero_optimization.stage > 0 and offload is not None and offload.device == "nvme":
-        raise NotImplementedError(f"MoE layers with ep_size={ep} with zero_optimization.offload_optimizer.device="
-                                  "nvme are not supported yet: use device \"cpu\" (or none), or ep_size=1")
     return ep
 
 

@@ -43,6 +43,16 @@ from .stage12_grads import Stage1Grads, Stage2Grads
 from .strategy import ZeroStrategy, _optimizer_state_bytes
 
 
+def new_swapped_optimizer(offload, optimizer, num_groups: int, dtype: torch.dtype) -> SwappedOptimizer:
+    """The NVMe optimizer tier (`offload_optimizer.device` "nvme") of `optimizer` (re-targeted to its tiles
+    when built; None: no optimizer) with `num_groups` param groups and masters of `dtype`, in `offload`'s
+    swap space."""
+    policy = offload.policy
+    return SwappedOptimizer(make_optimizer=swapped_builder(optimizer), swap=offload.swaps["optimizer"],
+                            sub_group_size=policy.sub_group_size, pipeline=policy.pipeline,
+                            dtype=dtype, pin=policy.pin_memory, num_groups=num_groups)
+
+
 def _check_params(module: nn.Module, params: list[nn.Parameter], stage: int) -> list[str]:
     """Parameter names; raises ValueError / TypeError naming what to change."""
     if not params:
@@ -88,6 +98,9 @@ class Stage12Strategy(ZeroStrategy):
     experts: the expert partition is reduced over the expert-data group but averaged over every data-parallel
     rank, `stage12_grouped.py`). group_of: the optimizer param group of each of `params` when `optimizer` is
     None but a caller re-targets a shared optimizer itself (`GroupedStage12Strategy`); default all group 0.
+    swapped: with the optimizer on NVMe, a `SwappedOptimizer` shared with other strategies to add this
+    one's master to (its index: `swap_master`); the caller builds and steps it (`swap_grad`,
+    `write_swapped`). Default: this strategy's own.
     Source: ZeRO, Rajbhandari et al. 2020, §5.1-5.2.
     """
 
@@ -97,7 +110,8 @@ class Stage12Strategy(ZeroStrategy):
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
                  offload=None, collectives: type[GroupCollectives] = GroupCollectives,
-                 average_over: int | None = None, group_of: list[int] | None = None):
+                 average_over: int | None = None, group_of: list[int] | None = None,
+                 swapped: SwappedOptimizer | None = None):
         if stage not in (1, 2):
             raise ValueError(f"Stage12Strategy implements ZeRO stages 1 and 2, not {stage}")
         for key, value in (("reduce_scatter", reduce_scatter), ("allgather_partitions", allgather_partitions)):
@@ -134,18 +148,16 @@ class Stage12Strategy(ZeroStrategy):
         self.segments = merge_segments(((c, a, b, group_of[i]) for c, a, b, i, _ in self.partition_pieces()),
                                        [s] * layout.num_chunks)
         if offload is not None and offload.policy.optimizer == "nvme":
-            groups = len(optimizer.param_groups) if optimizer is not None else 1
-            self.swapped = SwappedOptimizer(make_optimizer=swapped_builder(optimizer),
-                                            swap=offload.swaps["optimizer"],
-                                            sub_group_size=offload.policy.sub_group_size,
-                                            pipeline=offload.policy.pipeline, dtype=self.master.dtype,
-                                            pin=offload.policy.pin_memory, num_groups=groups)
+            if swapped is None:
+                groups = len(optimizer.param_groups) if optimizer is not None else 1
+                swapped = new_swapped_optimizer(offload, optimizer, groups, self.master.dtype)
+            self.swapped = swapped
             # one group: tiles of whole partition rows; several: the flat partition cut at every segment
-            self._swap_flat = groups > 1
+            self._swap_flat = swapped.num_groups > 1
             if self._swap_flat:
-                self.swapped.add_master(self.master.reshape(-1), ranges=self._flat_ranges())
+                self.swap_master = swapped.add_master(self.master.reshape(-1), ranges=self._flat_ranges())
             else:
-                self.swapped.add_master(self.master)
+                self.swap_master = swapped.add_master(self.master)
             self.master = None  # lives on NVMe now
         self.master_params = self._segment_tensors() if self.master is not None else []
         grads_cls = Stage1Grads if stage == 1 else Stage2Grads
@@ -256,20 +268,28 @@ class Stage12Strategy(ZeroStrategy):
             return
         self.grads.materialize()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in this rank's shard of flat
-            own, s = self.own_params, self.layout.shard_numel
-            if self._swap_flat:  # a tile is a column range of one row
-                def write(m, rows, values):
-                    c, a = divmod(rows[0], s)
-                    own[c, a:a + rows[1] - rows[0]].copy_(values, non_blocking=True)
-                self.swapped.step([self.grads.partition_grad.reshape(-1)], write)
-            else:
-                self.swapped.step([self.grads.partition_grad],
-                                  lambda m, rows, values: own[rows[0]:rows[1]].copy_(values, non_blocking=True))
+            self.swapped.step([self.swap_grad()], lambda m, rows, values: self.write_swapped(rows, values))
             self.all_gather_params()
             return
         self.prepare_step()
         self.optimizer.step()
         self.finish_step()
+
+    def swap_grad(self) -> torch.Tensor:
+        """NVMe: the fp32 partition gradient in the shape of master `swap_master` ([K, S], or [K * S] with
+        several param groups)."""
+        g = self.grads.partition_grad
+        return g.reshape(-1) if self._swap_flat else g
+
+    def write_swapped(self, rows: tuple[int, int], values: torch.Tensor) -> None:
+        """NVMe: updated master elements `rows` of `swap_master` (rows of [K, S], or a column range of one
+        row in the flat layout) -> this rank's shard of the flat buffer, rounded to the parameter dtype."""
+        own = self.own_params
+        if self._swap_flat:  # a tile is a column range of one row
+            c, a = divmod(rows[0], self.layout.shard_numel)
+            own[c, a:a + rows[1] - rows[0]].copy_(values, non_blocking=True)
+        else:
+            own[rows[0]:rows[1]].copy_(values, non_blocking=True)
 
     def prepare_step(self) -> None:
         """Before `optimizer.step()` (not NVMe): the fp32 partition gradient is each segment's `.grad`."""

@@ -15,6 +15,10 @@ that steps. The expert set's gradients are summed over "expert_data" and divided
 (the loss is the mean over every data-parallel rank, and each expert's local gradient already sums its
 expert group's tokens through the all-to-all).
 
+With the optimizer on NVMe (`offload_optimizer.device` "nvme", ZeRO-Infinity) the parts share one
+`SwappedOptimizer`: each part's fp32 partition is one of its masters, so the expert and dense partitions
+stream through the same tile buffers in one pass, and the user's optimizer is re-targeted to the tiles.
+
 Global gradient norm: every element of every set is owned by exactly one rank of the world (a dense element
 by one rank of the data-parallel group; an expert element by one rank of its expert-data group, and the
 different experts of an expert group by different ranks), so the sum of every rank's partition squares
@@ -38,7 +42,7 @@ from ..precision import MixedPrecisionPolicy
 from . import fragments
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, retarget
-from .stage12 import Stage12Strategy
+from .stage12 import Stage12Strategy, new_swapped_optimizer
 from .strategy import ExpertGroup, ZeroStrategy
 
 __all__ = ["GroupedStage12Strategy"]
@@ -51,8 +55,9 @@ class GroupedStage12Strategy(ZeroStrategy):
     module, params, optimizer, stage, group, bucket sizes, average, predivide_factor, logger, policy,
     master_values, offload, collectives: as `Stage12Strategy` (each set gets its own flat buffer and chunks
     of at most the bucket size). sets: `strategy.ExpertGroup`s (parameter ids, their group, the ranks their
-    mean is over: the experts over "expert_data", averaged over the data-parallel size). Raises ValueError (a parameter in two sets, the optimizer's groups as
-    `Stage12Strategy`), NotImplementedError (NVMe optimizer offload: its swap files hold one partition).
+    mean is over: the experts over "expert_data", averaged over the data-parallel size). With the optimizer
+    on NVMe one `SwappedOptimizer` holds every part's partition (master k = part k) and steps them in one
+    pass. Raises ValueError (a parameter in two sets, the optimizer's groups as `Stage12Strategy`).
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], optimizer, *, stage: int,
@@ -61,9 +66,6 @@ class GroupedStage12Strategy(ZeroStrategy):
                  average: bool = True, predivide_factor: float = 1.0, logger: CommsLogger | None = None,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
                  offload=None, collectives: type[GroupCollectives] = GroupCollectives):
-        if offload is not None and offload.policy.optimizer == "nvme":
-            raise NotImplementedError("zero_optimization.offload_optimizer.device=nvme with expert parallelism (MoE "
-                                      "ep_size > 1) is not supported yet: use device \"cpu\" (or none), or ep_size=1")
         self.stage, self.params, self.group, self.logger = stage, list(params), group, logger
         self.policy = policy or MixedPrecisionPolicy()
         self.reduce_every_micro_step = stage == 2
@@ -81,6 +83,11 @@ class GroupedStage12Strategy(ZeroStrategy):
         layout = [([i for i in range(len(self.params)) if i not in where], group, None)] + \
                  [([i for i, s in where.items() if s == k + 1], pset.group, pset.average_over)
                   for k, pset in enumerate(sets)]
+        # the optimizer on NVMe: one tier, each part's partition one of its masters (master k = part k)
+        self.swapped = None
+        if offload is not None and offload.policy.optimizer == "nvme":
+            self.swapped = new_swapped_optimizer(offload, optimizer, len(optimizer.param_groups) if optimizer else 1,
+                                                 self.policy.master_dtype)
         self.parts: list[tuple[list[int], Stage12Strategy]] = []
         for idx, grp, avg in layout:
             if not idx:
@@ -91,11 +98,16 @@ class GroupedStage12Strategy(ZeroStrategy):
                                   reduce_scatter=reduce_scatter, allgather_partitions=allgather_partitions,
                                   average=average, predivide_factor=predivide_factor, logger=logger,
                                   policy=self.policy, master_values=master_values, offload=offload,
-                                  collectives=collectives, average_over=avg, group_of=[group_of[i] for i in idx])
+                                  collectives=collectives, average_over=avg, group_of=[group_of[i] for i in idx],
+                                  swapped=self.swapped)
             self.parts.append((idx, sub))
         self.comms = self.parts[0][1].comms
         self.optimizer = None
-        if optimizer is not None:  # one optimizer over every part's segments, in the user's groups
+        if optimizer is not None and self.swapped is not None:  # re-targeted to the tiles of every part
+            self.optimizer = self.swapped.build()
+            for _, sub in self.parts:
+                sub.optimizer = self.optimizer
+        elif optimizer is not None:  # one optimizer over every part's segments, in the user's groups
             self.optimizer = retarget(optimizer, by_group(
                 ((seg.group, t) for _, sub in self.parts for seg, t in zip(sub.segments, sub.master_params)),
                 len(optimizer.param_groups)))
@@ -151,6 +163,15 @@ class GroupedStage12Strategy(ZeroStrategy):
         """Every part's gradient to its segments, one `optimizer.step()`, then every part's master into its
         shard and its all-gather (over its group)."""
         if self.optimizer is None:
+            return
+        if self.swapped is not None:  # NVMe: every part's tiles streamed, each into its part's shard
+            subs = self.subs
+            for sub in subs:
+                sub.grads.materialize()
+            self.swapped.step([sub.swap_grad() for sub in subs],
+                              lambda m, rows, values: subs[m].write_swapped(rows, values))
+            for sub in subs:
+                sub.all_gather_params()
             return
         for sub in self.subs:
             sub.prepare_step()
