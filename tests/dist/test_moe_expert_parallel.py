@@ -97,6 +97,10 @@ def _engine_run(rank: int, world: int, k: int, optimizer: str, dropless: bool = 
     if offload and offload["device"] == "nvme":  # one NVMe tier: the dense and the expert partition its masters
         assert swapped is not None and len(swapped.master_shapes) == 2
         assert swapped.num_groups == (2 if client is not None else 1)
+        # the pre-flight's disk budget: master + 2 Adam states (its default) x this rank's shard, the experts'
+        # over world / ep ranks (ep times the dense share per element)
+        dense, experts = (sum(p.numel() for p in sub.params) for sub in engine.strategy.subs)
+        assert engine.offload.budget.disk["optimizer"] == 3 * 4 * -(-(dense + 2 * experts) // world)
     steps = []
     for batch in _data(world):
         x, y = batch[rank]

@@ -192,9 +192,10 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
                                   f"the fp16/bf16 sections select ({cfg.precision}); set it through fp16/bf16 instead")
 
 
-def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedPrecisionPolicy):
+def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedPrecisionPolicy, experts=None):
     """The rank's OffloadContext (pre-flight checks against the rank's predicted budget, swap spaces)
-    when offload_* is on, else None."""
+    when offload_* is on, else None. experts: the `ExpertGroup` of expert parallelism (its parameters are
+    partitioned over its smaller group: they count ep times in the budget's Ψ / N), or None."""
     from ..offload import OffloadPolicy
 
     opol = OffloadPolicy.from_config(cfg.zero_optimization)
@@ -208,6 +209,10 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
     zero = cfg.zero_optimization
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(shape_of(p).numel() for p in params)
+    world = dist.get_world_size(group)
+    if experts is not None:  # this rank's experts over the expert-data group: their share is ep times larger
+        mine = sum(shape_of(p).numel() for p in params if id(p) in experts.params)
+        numel += mine * (world // dist.get_world_size(experts.group) - 1)
     largest = numel
     if zero.stage == 3:  # the gather units the strategy will build (pure: no tensor is touched)
         plans = plan_units(model, persistence_threshold=int(zero.param_persistence_threshold),
@@ -215,7 +220,6 @@ def _build_offload(cfg: ZeroSpeedConfig, model: nn.Module, group, policy: MixedP
                            leaf_name_suffixes=zero.leaf_module.name_suffixes,
                            numel_of=lambda p: shape_of(p).numel())
         largest = max((plan.numel for plan in plans), default=numel) or numel
-    world = dist.get_world_size(group)
     budget = rank_budget(opol, numel=max(numel, 1), largest_unit=max(largest, 1), world=world,
                          param_bytes=torch.empty(0, dtype=policy.param_dtype).element_size(), mixed=policy.mixed,
                          grad_accum=cfg.gradient_accumulation_steps, stage=zero.stage,
@@ -418,13 +422,14 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         layer.logger = logger
         if getattr(layer, "shared_input", None) is not None:
             layer.shared_input.logger = logger
-    offload = _build_offload(cfg, model, group, policy)
+    experts = expert_group(model, mesh)
+    offload = _build_offload(cfg, model, group, policy, experts)
     strategy = build_strategy(cfg.zero_optimization.stage, module=model, optimizer=opt, group=group,
                               zero_cfg=cfg.zero_optimization, gradient_allreduce_op=cfg.gradient_allreduce_op,
                               predivide_factor=cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0,
                               logger=logger, policy=policy, master_values=original_values, offload=offload,
                               model_parallel=_model_parallel_grads(model, mesh, pipeline, ties),
-                              experts=expert_group(model, mesh))
+                              experts=experts)
     del original_values  # the originals live on only where a strategy adopted them as masters
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
