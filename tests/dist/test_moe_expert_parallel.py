@@ -17,7 +17,8 @@ M, E, TOKENS, STEPS = 8, 4, 8, 3
 
 
 class Net(nn.Module):
-    def __init__(self, ep: int, k: int, drop_tokens: bool = True, capacity_factor: float = 1.0, moe_cls=None):
+    def __init__(self, ep: int, k: int, drop_tokens: bool = True, capacity_factor: float = 1.0, moe_cls=None,
+                 expert_rank: int | None = None):
         from zerospeed.moe.layer import MoE
 
         MoE = moe_cls or MoE  # noqa: N806 - DeepSpeed's class for the cross-check
@@ -29,7 +30,7 @@ class Net(nn.Module):
         self.out = nn.Linear(M, M)
         # experts start different: global expert g shifted by 0.05 g (deep copies would start equal)
         local = E // ep
-        rank = dist.get_rank() % ep if ep > 1 else 0  # the rank in its expert group (consecutive ranks)
+        rank = expert_rank if expert_rank is not None else dist.get_rank() % ep if ep > 1 else 0  # in its expert group
         with torch.no_grad():
             for i, ex in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
                 for p in ex.parameters():
@@ -190,16 +191,94 @@ def _compare(results, ref_steps, ref_params):
             torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {n}")
 
 
-def _global_params(engine, ep: int) -> dict:
-    """The engine's parameters under global expert names (local expert i -> ep_rank x E / ep + i)."""
+def _global_params(engine, ep: int, expert_rank: int | None = None) -> dict:
+    """The engine's parameters under global expert names (local expert i -> ep_rank x E / ep + i; ep_rank
+    default: consecutive ranks)."""
     out = {}
+    ep_rank = expert_rank if expert_rank is not None else dist.get_rank() % ep
     for n, p in engine.module.named_parameters():
         if ".deepspeed_experts." in n and ep > 1:
             head, _, tail = n.partition(".deepspeed_experts.")
             i, _, rest = tail.partition(".")
-            n = f"{head}.deepspeed_experts.{(dist.get_rank() % ep) * (E // ep) + int(i)}.{rest}"
+            n = f"{head}.deepspeed_experts.{ep_rank * (E // ep) + int(i)}.{rest}"
         out[n] = p.detach().clone()
     return out
+
+
+class _MegatronMpu:
+    """A Megatron-style mpu (duck-typed, as `megatron.core.parallel_state`): tensor groups of tp consecutive
+    ranks, data groups strided by tp. With tp 2 the model is not sharded: the two ranks of a tensor group
+    are replicas fed the same micro-batches (as tests/dist/test_mesh.py's parity case)."""
+
+    def __init__(self, tp: int):
+        world = dist.get_world_size()
+        self.tp, self.dp = tp, world // tp
+        self.tensor = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])[0] \
+            if tp > 1 else None
+        self.data = dist.new_subgroups_by_enumeration([list(range(j, world, tp)) for j in range(tp)])[0] \
+            if tp > 1 else dist.group.WORLD
+
+    def get_data_parallel_group(self):
+        return self.data
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank() // self.tp
+
+    def get_model_parallel_group(self):
+        return self.tensor
+
+
+def _ranks(mesh, name: str) -> list[int]:
+    """Global ranks of the mesh's `name` group (None: the world, or this rank alone at size 1)."""
+    group = mesh.group(name)
+    if group is not None:
+        return dist.get_process_group_ranks(group)
+    return [dist.get_rank()] if mesh.size(name) == 1 else list(range(dist.get_world_size()))
+
+
+def _mpu_run(rank: int, world: int, tp: int, stage: int):
+    """ep 2 under a user's mpu of tensor size tp: the expert groups carved from its data groups (DeepSpeed's
+    E + M + D layout). Returns the steps, the parameters (global expert names) and the groups' ranks."""
+    import zerospeed
+
+    mpu = _MegatronMpu(tp)
+    dp_rank = rank // tp
+    torch.manual_seed(0)
+    net = Net(2, 1, expert_rank=dp_rank % 2)
+    engine, *_ = zerospeed.initialize(model=net, config=_config("adamw", stage), mpu=mpu)
+    groups = (_ranks(engine.mesh, "expert"), _ranks(engine.mesh, "expert_data"))
+    steps = []
+    for batch in _data(world // tp):
+        x, y = batch[dp_rank]
+        loss, l_aux, counts = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        steps.append((float(loss), float(l_aux), counts.tolist()))
+    return steps, _global_params(engine, 2, dp_rank % 2), groups
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_expert_parallel_under_a_users_mpu(tp, stage):
+    """ep 2 inside world 4 with a Megatron-style mpu: tp 1 (dp 4: expert groups [0, 1], [2, 3], expert-data
+    [0, 2], [1, 3], as without an mpu) trains as the world-4 run without one; tp 2 (data groups [0, 2], [1, 3],
+    so ep = dp: the expert group is the data group) trains as the world-2 run without one, each tensor pair
+    as its data rank. Losses, l_aux, routing and final weights bit for bit."""
+    results = run_distributed(_mpu_run, 4, tp, stage)
+    ref = run_distributed(_engine_run, 4 // tp, 1, "adamw", False, stage)
+    for rank, (steps, params, (expert, expert_data)) in enumerate(results):
+        if tp == 1:
+            assert (expert, expert_data) == ([0, 1] if rank < 2 else [2, 3], [rank % 2, rank % 2 + 2])
+        else:
+            assert (expert, expert_data) == ([rank % 2, rank % 2 + 2], [rank])
+        r_steps, r_params = ref[rank // tp][:2]
+        assert steps == r_steps, rank
+        assert params.keys() == r_params.keys()
+        for n in params:
+            assert torch.equal(params[n], r_params[n]), (rank, n)
 
 
 def _checkpoint_run(rank: int, world: int, ep: int, mode: str, ckpt: str, stage: int = 0):

@@ -136,12 +136,18 @@ class ParallelMesh:
         return cls(dims, groups, topology=topo, device_mesh=mesh)
 
     @classmethod
-    def from_mpu(cls, mpu) -> "ParallelMesh":
+    def from_mpu(cls, mpu, ep: int = 1) -> "ParallelMesh":
         """Wrap a user's Megatron-style mpu (Megatron-LM's `parallel_state`, DeepSpeed's
         `PipelineParallelGrid`, or a `ParallelMesh`). Needs the data-parallel group/rank/world size and a
-        model-parallel group (`get_model_parallel_group` or `get_tensor_model_parallel_group`). Raises
-        MpuError naming the missing methods."""
+        model-parallel group (`get_model_parallel_group` or `get_tensor_model_parallel_group`). ep: the
+        expert-parallel size, carved from the mpu's own data-parallel groups as `expert_rank_lists` carves
+        them (collective over the world: the groups are exchanged with one all-gather). Raises MpuError
+        naming the missing methods, ValueError for an ep that does not divide the data-parallel size (or a
+        `ParallelMesh` built with another ep)."""
         if isinstance(mpu, ParallelMesh):
+            if ep > 1 and mpu.size("expert") != ep:
+                raise ValueError(f"the mpu is a ParallelMesh with expert-parallel size {mpu.size('expert')}, but the "
+                                 f"model's MoE layers use ep_size={ep}: build it with ParallelMesh.build(..., ep={ep})")
             return mpu
         missing = [m for m in MPU_REQUIRED if not callable(getattr(mpu, m, None))]
         if not any(callable(getattr(mpu, m, None)) for m in _MPU_MODEL):
@@ -161,11 +167,29 @@ class ParallelMesh:
         data = mpu.get_data_parallel_group()
         groups = {"data": None if dp == world else data, "tensor": tensor if tp > 1 else None,
                   "pipe": pipe if pp > 1 else None, "model": model if size(model) > 1 else None}
-        groups.update(expert=None, expert_data=groups["data"])  # no expert parallelism (ep 1) over a user's mpu
         if dp * size(groups["model"]) != world:
             raise MpuError(f"the mpu's data-parallel size {dp} x model-parallel size {size(model)} != world size "
                            f"{world}; every rank must be in exactly one data-parallel and one model-parallel group")
-        return cls(ParallelDims(dp=dp, tp=tp, pp=pp), groups)
+        if ep < 1 or dp % ep:
+            raise ValueError(f"the expert-parallel size ep={ep} must divide the mpu's data-parallel size dp={dp}; "
+                             f"choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
+        if ep == 1:
+            groups.update(expert=None, expert_data=groups["data"])
+        elif ep == dp:
+            groups.update(expert=groups["data"], expert_data=None)
+        else:  # every rank's data group, in the order of their first ranks, cut into runs of ep
+            mine = dist.get_process_group_ranks(data) if groups["data"] is not None else list(range(world))
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, mine)
+            data_lists = sorted({tuple(r) for r in everyone})
+            expert, expert_data = [], []
+            for ranks in data_lists:
+                runs = [list(ranks[i:i + ep]) for i in range(0, dp, ep)]
+                expert.extend(runs)
+                expert_data.extend([list(pos) for pos in zip(*runs)])
+            groups.update(expert=dist.new_subgroups_by_enumeration(expert)[0],
+                          expert_data=dist.new_subgroups_by_enumeration(expert_data)[0])
+        return cls(ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep), groups)
 
     # -- queries ------------------------------------------------------------------------------
     def group(self, name: str):

@@ -355,7 +355,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           f"{cfg.pipeline.stages!r}, but the model is a {type(model).__name__}, not a "
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
-    ep = expert_parallel_size(cfg, model, mpu if tp_mesh is None else None)  # MoE layers' ep_size
+    ep = expert_parallel_size(cfg, model)  # MoE layers' ep_size
     if ep > 1 and tp_mesh is not None:
         raise NotImplementedError(f"MoE layers with ep_size={ep} in a model sharded by zerospeed.tp_model_init are "
                                   "not supported yet: use tensor_parallel.autotp_size in the config instead")
@@ -377,8 +377,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     elif pipeline:
         mesh = ParallelMesh.build(pp=model.num_stages, ep=ep)
     else:
-        mesh = ParallelMesh.from_mpu(mpu) if mpu is not None else ParallelMesh.build(tp=cfg.tensor_parallel.size,
-                                                                                     ep=ep)
+        mesh = ParallelMesh.from_mpu(mpu, ep=ep) if mpu is not None else \
+            ParallelMesh.build(tp=cfg.tensor_parallel.size, ep=ep)
     group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)

@@ -98,10 +98,11 @@ def apply_autoep(blocks: list, ep_size: int, ep_rank: int) -> dict:
     return mapping
 
 
-def expert_parallel_size(cfg, model: nn.Module, mpu) -> int:
+def expert_parallel_size(cfg, model: nn.Module) -> int:
     """The ep_size shared by the model's MoE layers with ep_size > 1 and AutoEP's autoep_size, or 1. Pure (no
     process group): raises ConfigError when they differ, NotImplementedError for what expert parallelism does
-    not compose with (a user's mpu, ZeRO stage 3)."""
+    not compose with (ZeRO stage 3). With a user's mpu the expert groups are carved from its data-parallel
+    groups (`ParallelMesh.from_mpu(mpu, ep)`)."""
     sizes = sorted({layer.ep_size for layer in moe_layers(model) if layer.ep_size > 1} |
                    ({cfg.expert_parallel.size} if cfg.expert_parallel.size > 1 else set()))
     if not sizes:
@@ -111,10 +112,6 @@ def expert_parallel_size(cfg, model: nn.Module, mpu) -> int:
                           f"{sizes}: zerospeed builds one expert-parallel mesh dimension, so give every MoE layer "
                           "the same ep_size")
     ep = sizes[0]
-    if mpu is not None:
-        raise NotImplementedError(f"MoE layers with ep_size={ep} together with initialize(mpu=...) are not supported "
-                                  "yet (the expert groups are carved from zerospeed's own mesh): use ep_size=1 there "
-                                  "(every expert on every rank), or tensor_parallel.autotp_size instead of the mpu")
     if cfg.zero_optimization.stage == 3:
         raise NotImplementedError(f"MoE layers with ep_size={ep} at zero_optimization.stage=3 are not supported "
                                   "(DeepSpeed 0.19.8 refuses MoE at stage 3 too): use stage 1 or 2, whose expert "
