@@ -69,15 +69,18 @@ TP_BLOCK = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "
     {"patterns": [r".*self_attn\.o_proj\.weight$"], "partition_type": "row"}]}}
 
 
-def _run(rank: int, world: int, kind: str, stage: int, tp: int = 1):
+def _run(rank: int, world: int, kind: str, stage: int, tp: int = 1, tp_model_init: bool = False):
     import zerospeed
     from zerospeed.moe.autoep import ExpertParallelExperts
     from zerospeed.tensor_parallel import tensor_parallel_layers
 
     cfg = _config(stage)
-    if tp > 1:
+    model = _model(kind, 2 if tp > 1 else 1)
+    if tp_model_init:  # sharded before initialize (its mesh has no expert groups yet: initialize carves them)
+        model = zerospeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config={"tensor_parallel": TP_BLOCK})
+    elif tp > 1:
         cfg["tensor_parallel"] = TP_BLOCK
-    engine, *_ = zerospeed.initialize(model=_model(kind, 2 if tp > 1 else 1), config=cfg)
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
     blocks = [m for m in engine.module.modules() if isinstance(m, ExpertParallelExperts)]
     assert blocks and all(b.num_local_experts == E // 2 for b in blocks)
     data_rank = dist.get_rank(engine.group)  # the tensor-parallel ranks of one replica read the same batch
@@ -94,12 +97,14 @@ def _run(rank: int, world: int, kind: str, stage: int, tp: int = 1):
         data_rank, specs
 
 
-@pytest.mark.parametrize("kind,world,stage,tp", [("mixtral", 2, 0, 1), ("mixtral", 4, 2, 1), ("qwen3_moe", 2, 2, 1),
-                                                 ("qwen3_moe", 4, 0, 1), ("deepseek_v3", 2, 2, 1),
-                                                 ("mixtral", 4, 0, 2), ("mixtral", 4, 2, 2)])
-def test_autoep_trains_as_the_unmodified_model(kind, world, stage, tp):
-    """tp 2 (world 4): AutoTP over the attention and AutoEP at ep 2 over each tensor rank's data group."""
-    results = run_distributed(_run, world, kind, stage, tp)
+@pytest.mark.parametrize("kind,world,stage,tp,tp_init", [
+    ("mixtral", 2, 0, 1, False), ("mixtral", 4, 2, 1, False), ("qwen3_moe", 2, 2, 1, False),
+    ("qwen3_moe", 4, 0, 1, False), ("deepseek_v3", 2, 2, 1, False), ("mixtral", 4, 0, 2, False),
+    ("mixtral", 4, 2, 2, False), ("mixtral", 4, 2, 2, True)])
+def test_autoep_trains_as_the_unmodified_model(kind, world, stage, tp, tp_init):
+    """tp 2 (world 4): AutoTP over the attention and AutoEP at ep 2 over each tensor rank's data group; the
+    attention sharded by the config's tensor_parallel block, or (tp_init) by zerospeed.tp_model_init first."""
+    results = run_distributed(_run, world, kind, stage, tp, tp_init)
     ref_losses, ref_params = _reference(kind, world // tp, 2 if tp > 1 else 1)
     from zerospeed.tensor_parallel import shard_tensor
 

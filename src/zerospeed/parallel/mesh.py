@@ -26,7 +26,7 @@ the collectives they always did and no extra group is created.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -145,10 +145,7 @@ class ParallelMesh:
         naming the missing methods, ValueError for an ep that does not divide the data-parallel size (or a
         `ParallelMesh` built with another ep)."""
         if isinstance(mpu, ParallelMesh):
-            if ep > 1 and mpu.size("expert") != ep:
-                raise ValueError(f"the mpu is a ParallelMesh with expert-parallel size {mpu.size('expert')}, but the "
-                                 f"model's MoE layers use ep_size={ep}: build it with ParallelMesh.build(..., ep={ep})")
-            return mpu
+            return mpu.with_expert_parallel(ep) if ep > 1 else mpu
         missing = [m for m in MPU_REQUIRED if not callable(getattr(mpu, m, None))]
         if not any(callable(getattr(mpu, m, None)) for m in _MPU_MODEL):
             missing.append(" or ".join(_MPU_MODEL))
@@ -170,26 +167,42 @@ class ParallelMesh:
         if dp * size(groups["model"]) != world:
             raise MpuError(f"the mpu's data-parallel size {dp} x model-parallel size {size(model)} != world size "
                            f"{world}; every rank must be in exactly one data-parallel and one model-parallel group")
+        groups.update(expert=None, expert_data=groups["data"])  # ep 1; with_expert_parallel carves the rest
+        return cls(ParallelDims(dp=dp, tp=tp, pp=pp), groups).with_expert_parallel(ep)
+
+    def with_expert_parallel(self, ep: int) -> "ParallelMesh":
+        """This mesh with expert-parallel size `ep`: the "expert" and "expert_data" groups carved from each
+        data-parallel group as `expert_rank_lists` carves them (from the topology; for a user's mpu from its
+        data groups, exchanged with one all-gather), every other group kept. Collective over the world when
+        new groups are made. Returns self when ep is already this mesh's. Raises ValueError for an ep that
+        does not divide the data-parallel size, or a mesh already carved with another ep."""
+        if ep == self.dims.ep:
+            return self
+        if self.dims.ep != 1:
+            raise ValueError(f"this mesh already has expert-parallel size {self.dims.ep}, not {ep}: build it with "
+                             f"ParallelMesh.build(..., ep={ep})")
+        dp = self.dims.dp
         if ep < 1 or dp % ep:
-            raise ValueError(f"the expert-parallel size ep={ep} must divide the mpu's data-parallel size dp={dp}; "
+            raise ValueError(f"the expert-parallel size ep={ep} must divide the data-parallel size dp={dp}; "
                              f"choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
-        if ep == 1:
-            groups.update(expert=None, expert_data=groups["data"])
+        dims = replace(self.dims, ep=ep)
+        if self.topology is not None:
+            groups = _expert_groups(self.topology, dims, self.group("data"))
         elif ep == dp:
-            groups.update(expert=groups["data"], expert_data=None)
+            groups = {"expert": self.group("data"), "expert_data": None}
         else:  # every rank's data group, in the order of their first ranks, cut into runs of ep
-            mine = dist.get_process_group_ranks(data) if groups["data"] is not None else list(range(world))
+            world, data = dist.get_world_size(), self.group("data")
+            mine = dist.get_process_group_ranks(data) if data is not None else list(range(world))
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
-            data_lists = sorted({tuple(r) for r in everyone})
             expert, expert_data = [], []
-            for ranks in data_lists:
+            for ranks in sorted({tuple(r) for r in everyone}):
                 runs = [list(ranks[i:i + ep]) for i in range(0, dp, ep)]
                 expert.extend(runs)
                 expert_data.extend([list(pos) for pos in zip(*runs)])
-            groups.update(expert=dist.new_subgroups_by_enumeration(expert)[0],
-                          expert_data=dist.new_subgroups_by_enumeration(expert_data)[0])
-        return cls(ParallelDims(dp=dp, tp=tp, pp=pp, ep=ep), groups)
+            groups = {"expert": dist.new_subgroups_by_enumeration(expert)[0],
+                      "expert_data": dist.new_subgroups_by_enumeration(expert_data)[0]}
+        return ParallelMesh(dims, {**self._groups, **groups}, topology=self.topology, device_mesh=self.device_mesh)
 
     # -- queries ------------------------------------------------------------------------------
     def group(self, name: str):

@@ -356,9 +356,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                           "zerospeed.pipe.PipelineModule: build the model as a PipelineModule or remove those keys")
     tp_plan = plan_tensor_parallel(cfg, model, mpu) if tp_mesh is None else None
     ep = expert_parallel_size(cfg, model)  # MoE layers' ep_size
-    if ep > 1 and tp_mesh is not None:
-        raise NotImplementedError(f"MoE layers with ep_size={ep} in a model sharded by zerospeed.tp_model_init are "
-                                  "not supported yet: use tensor_parallel.autotp_size in the config instead")
     autoep = autoep_blocks(cfg, model)  # AutoEP: the HF model's MoE blocks (checked before any process group)
     if cfg.zero_optimization.stage < 3:
         from ..zero.stage3_init import partitioned_parameters
@@ -372,8 +369,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if pipeline:  # a stage holds only its own layers: the MoE layers' ep_size as the other stages found it
         ep = agree_across_stages(ep)
     # the named sub-groups (parallel/mesh.py): ZeRO runs over "data" only; None = the whole world
-    if tp_mesh is not None:
-        mesh = tp_mesh
+    if tp_mesh is not None:  # expert groups carved from its data groups (tp_model_init built it with ep 1)
+        mesh = tp_mesh.with_expert_parallel(ep)
     elif pipeline:
         mesh = ParallelMesh.build(pp=model.num_stages, ep=ep)
     else:
