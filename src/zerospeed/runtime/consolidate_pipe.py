@@ -16,6 +16,9 @@ agreement. The protocol over that pipe group:
 3. if rank 0 fails (disk full, bad path), it still receives every remaining entry so no owner hangs; then the
    outcome is agreed over the world and every rank raises (`checkpoint._raise_gathered`).
 
+With expert parallelism every rank of a stage first gathers its experts over its expert group
+(`expert_items`), so the replica of global rank 0 offers every expert under its global id.
+
 The file order is the order of the same model built at one stage (tie modules by their first layer, then the
 layers; parameters, then persistent buffers), so the file equals the one a one-stage engine with the same
 weights writes, header and bytes.
@@ -32,8 +35,9 @@ from ..comm.ops import recv, start_send
 from ..utils.io import atomic_write
 from .checkpoint import _all_gather_object, _raise_gathered, module_extras
 from .checkpoint_io import write_safetensors
+from .checkpoint_moe import _EXPERT
 
-__all__ = ["save_16bit_model_pipeline", "local_items", "offer", "plan_entries"]
+__all__ = ["save_16bit_model_pipeline", "local_items", "expert_items", "offer", "plan_entries"]
 
 
 def local_items(module, not_written=frozenset(), exclude_frozen: bool = False) -> list:
@@ -44,6 +48,34 @@ def local_items(module, not_written=frozenset(), exclude_frozen: bool = False) -
              if (p.requires_grad or not exclude_frozen) and id(p) not in elsewhere]
     items += [(n, b, 1) for n, b, kind in module_extras(module) if kind == "buffer"]
     return items
+
+
+def expert_items(items, ex) -> list:
+    """`local_items` with expert parallelism (ex: `checkpoint_moe.ExpertTranslation`): each local expert
+    parameter of an `MoE` layer becomes the entries of every rank of its expert group under their global ids
+    (one all-gather each, over the group), ordered as the same layer at ep 1 holds them (expert by expert);
+    AutoEP's fused experts become their full [E, ...] tensors. Collective over each expert group, in the same
+    order on its ranks (they hold the same stage)."""
+    out = []  # (sort key, name, tensor, kind)
+    first: dict[str, int] = {}  # an expert layer's prefix -> the position of its first local expert entry
+    tails: dict[str, list[str]] = {}
+    for pos, (name, t, kind) in enumerate(items):
+        spread = ex.spread(name)
+        if spread is None:
+            out.append(((pos, 0, 0), name, ex.gather_full(t, t.detach()), kind))
+            continue
+        values = ex.gather_spread(t.detach())
+        m = _EXPERT.match(name)
+        head, tail = m["head"], m["tail"]
+        first.setdefault(head, pos)
+        order = tails.setdefault(head, [])
+        if tail not in order:
+            order.append(tail)
+        for (global_name, r) in spread:
+            index = int(_EXPERT.match(global_name)["index"])
+            out.append(((first[head], index, order.index(tail)), global_name, values[r], kind))
+    out.sort(key=lambda e: e[0])
+    return [(name, t, kind) for _, name, t, kind in out]
 
 
 def offer(items) -> list[tuple[str, int, str, tuple]]:
@@ -135,8 +167,14 @@ def save_16bit_model_pipeline(engine, save_dir, save_filename: str = "model.safe
     group, logger = engine.pipe_group, engine.comms_logger
     path = Path(save_dir) / save_filename
     own = None
+    ex = getattr(engine, "expert_translation", None)
+    pipe = getattr(engine.checkpoint_translation, "tp", engine.checkpoint_translation)  # (MoE: chained)
+    items = None
+    if ex is not None:  # every rank of a stage's expert group takes part in gathering its experts
+        items = expert_items(local_items(engine.module, pipe.not_written, exclude_frozen_parameters), ex)
     if dist.get_rank(engine.group) == 0:  # the replica holding global rank 0 sends; the others only agree below
-        items = local_items(engine.module, engine.checkpoint_translation.not_written, exclude_frozen_parameters)
+        if items is None:
+            items = local_items(engine.module, pipe.not_written, exclude_frozen_parameters)
         local = {n: t for n, t, _ in items}
         entries = plan_entries(engine.module, _all_gather_object(offer(items), group))
         me = dist.get_rank(group)

@@ -318,11 +318,8 @@ class ZeroSpeedEngine(nn.Module):
         pipeline's stages: runtime/consolidate_pipe.py)."""
         from .checkpoint_pipe import PipeTranslation
 
-        if self.mp_world_size > 1 and self.tp_translation is None and self.expert_translation is not None:
-            raise NotImplementedError("save_16bit_model of a pipeline with expert parallelism is not supported yet: "
-                                      "use engine.save_checkpoint and `zerospeed to-fp32`, which write every stage "
-                                      "and expert")
-        if self.mp_world_size > 1 and isinstance(self.checkpoint_translation, PipeTranslation):
+        first = getattr(self.checkpoint_translation, "tp", self.checkpoint_translation)  # (ChainedTranslation: MoE)
+        if self.mp_world_size > 1 and isinstance(first, PipeTranslation):
             from .consolidate_pipe import save_16bit_model_pipeline  # every stage's layers, sent to rank 0
             return save_16bit_model_pipeline(self, save_dir, save_filename, exclude_frozen_parameters)
         if self.mp_world_size > 1 and self.tp_translation is None:  # rank 0 would write its own shards only
