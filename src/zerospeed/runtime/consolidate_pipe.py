@@ -167,14 +167,12 @@ def save_16bit_model_pipeline(engine, save_dir, save_filename: str = "model.safe
     group, logger = engine.pipe_group, engine.comms_logger
     path = Path(save_dir) / save_filename
     own = None
-    ex = getattr(engine, "expert_translation", None)
-    pipe = getattr(engine.checkpoint_translation, "tp", engine.checkpoint_translation)  # (MoE: chained)
-    items = None
+    ex, sender = engine.expert_translation, dist.get_rank(engine.group) == 0
+    if sender or ex is not None:
+        items = local_items(engine.module, engine.pipe_translation.not_written, exclude_frozen_parameters)
     if ex is not None:  # every rank of a stage's expert group takes part in gathering its experts
-        items = expert_items(local_items(engine.module, pipe.not_written, exclude_frozen_parameters), ex)
-    if dist.get_rank(engine.group) == 0:  # the replica holding global rank 0 sends; the others only agree below
-        if items is None:
-            items = local_items(engine.module, pipe.not_written, exclude_frozen_parameters)
+        items = expert_items(items, ex)
+    if sender:  # the replica holding global rank 0 sends; the others only agree below
         local = {n: t for n, t, _ in items}
         entries = plan_entries(engine.module, _all_gather_object(offer(items), group))
         me = dist.get_rank(group)

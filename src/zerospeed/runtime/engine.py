@@ -79,6 +79,7 @@ class ZeroSpeedEngine(nn.Module):
         # runtime.checkpoint_pipe.PipeTranslation, or None (set by initialize)
         self.checkpoint_translation = None
         self.expert_translation = None  # runtime.checkpoint_moe.ExpertTranslation with expert parallelism
+        self.pipe_translation = None  # a pipeline's PipeTranslation (also under the expert one)
         self.expert_parallel_size = 1  # MoE layers' ep_size (set by initialize)
         self.global_steps = 0
         self.global_samples = 0
@@ -316,10 +317,7 @@ class ZeroSpeedEngine(nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective: rank 0 writes the full weights in the module's dtype (see runtime/consolidate.py; a
         pipeline's stages: runtime/consolidate_pipe.py)."""
-        from .checkpoint_pipe import PipeTranslation
-
-        first = getattr(self.checkpoint_translation, "tp", self.checkpoint_translation)  # (ChainedTranslation: MoE)
-        if self.mp_world_size > 1 and isinstance(first, PipeTranslation):
+        if self.mp_world_size > 1 and self.pipe_translation is not None:
             from .consolidate_pipe import save_16bit_model_pipeline  # every stage's layers, sent to rank 0
             return save_16bit_model_pipeline(self, save_dir, save_filename, exclude_frozen_parameters)
         if self.mp_world_size > 1 and self.tp_translation is None:  # rank 0 would write its own shards only

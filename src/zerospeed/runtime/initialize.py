@@ -447,7 +447,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     _warn_super_offload(cfg, engine)
     if pipeline:
         engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties)
-        engine.checkpoint_translation = PipeTranslation(model, ties)  # one checkpoint for all stages
+        engine.checkpoint_translation = engine.pipe_translation = PipeTranslation(model, ties)  # one for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep
     engine.offload = offload
