@@ -179,6 +179,52 @@ def test_meta_model_loads_its_shards_from_safetensors(arch, tmp_path):
         assert local < full  # sharded layers hold only their part (biases of row layers are whole)
 
 
+def mp_saved_then_served(rank, world, arch, path):
+    """save_mp_checkpoint_path at tp 2, then a meta model served from the saved json: every rank reads its own
+    shard file whole. Returns (logits of the reloaded engine == the saving one's, their max diff from the plain
+    model, the files, the error of a reload at another tp size)."""
+    from pathlib import Path
+
+    ids, mask = _prompts()
+    ref = BUILD[arch](seed=0).eval()
+    saving = zerospeed.init_inference(BUILD[arch](seed=0).eval(), tensor_parallel={"tp_size": 2},
+                                      dtype=torch.float32, save_mp_checkpoint_path=path)
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+    loaded = zerospeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32,
+                                      checkpoint=f"{path}/ds_inference_config.json")
+    with torch.no_grad():
+        a, b = (e(ids, attention_mask=mask).logits for e in (saving, loaded))
+        diff = (b - ref(ids, attention_mask=mask).logits).abs().max().item()
+    with torch.device("meta"):
+        other = type(ref)(ref.config).eval()
+    with pytest.raises(ValueError, match="saved at tensor-parallel size 2.*tp_size=1") as info:
+        zerospeed.init_inference(other, dtype=torch.float32, checkpoint=path)  # the directory works too
+    return torch.equal(a, b), diff, sorted(p.name for p in Path(path).iterdir()), str(info.value)
+
+
+@pytest.mark.parametrize("arch", sorted(BUILD))
+def test_save_mp_checkpoint_path_reloads_each_ranks_shards(arch, tmp_path):
+    import json
+
+    for equal, diff, files, _ in run_distributed(mp_saved_then_served, 2, arch, str(tmp_path), timeout=180):
+        assert equal and diff < 1e-4, (equal, diff)
+        assert files == ["ds_inference_config.json", "non-tp.safetensors", "tp_00_00.safetensors",
+                         "tp_01_00.safetensors"]
+    data = json.loads((tmp_path / "ds_inference_config.json").read_text())  # DeepSpeed's keys
+    assert data["parallelization"] == "tp" and data["tp_size"] == 2 and data["dtype"] == "float32"
+    assert data["checkpoints"] == {"non_tp": ["non-tp.safetensors"], "tp": ["tp_00_00.safetensors",
+                                                                              "tp_01_00.safetensors"]}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "tp_00_00.safetensors"), "pt") as f0, \
+            safe_open(str(tmp_path / "tp_01_00.safetensors"), "pt") as f1:
+        assert set(f0.keys()) == set(f1.keys()) and f0.keys()
+        full = BUILD[arch](seed=0).state_dict()
+        for k in f0.keys():  # each rank's half of a sharded tensor, not the full one
+            assert f0.get_tensor(k).numel() + f1.get_tensor(k).numel() == full[k].numel(), k
+
+
 def trained_then_served(rank, world, path):
     """Train 2 ZeRO-2 steps at dp 2, save a zerospeed checkpoint, then serve it at tp 2 from a meta model."""
     from zerospeed.testing.models import random_tokens

@@ -12,6 +12,7 @@ What happens, in order (each step only when its option asks for it), all checked
    agrees across ranks (as DeepSpeed);
 3b. `checkpoint`: a model on the meta device gets its shards allocated, and every rank reads its own part
    of each tensor from the file (`inference/load.py`); a materialised model is overwritten the same way;
+3c. `save_mp_checkpoint_path`: every rank saves its shards for a fast reload (`inference/mp_checkpoint.py`);
 4. int8: every remaining linear layer's weight is quantized to int8 per output channel (`inference/quant.py`);
 5. the module moves to this rank's device unless `keep_module_on_host`;
 6. `replace_with_kernel_inject`: static KV cache, SDPA and a compiled decode step (`inference/inject.py`).
@@ -99,10 +100,15 @@ class InferenceEngine(nn.Module):
             materialize(model, torch.device("cpu") if config.keep_module_on_host else accel.current_device_name())
         if reader is not None:
             from .load import load_weights
+            if hasattr(reader, "bind"):  # save_mp_checkpoint_path's files: this rank's own
+                reader.bind(self.tp.rank, self.tp.size)
             unloaded = load_weights(model, reader)
             if meta and unloaded and not callable(getattr(model, "_init_weights", None)):
                 raise ValueError(f"the checkpoint lacks the buffers {unloaded[:6]} and the model (not a HF model) cannot "
                                  "recompute them: build it off the meta device or save them in the checkpoint")
+        if config.save_mp_checkpoint_path:  # the float shards, before any quantization
+            from .mp_checkpoint import save_mp_checkpoint
+            save_mp_checkpoint(model, config.save_mp_checkpoint_path, self.tp)
         self.quantized: list[str] = []
         if config.int8:
             from .quant import quantize_int8
@@ -126,7 +132,8 @@ class InferenceEngine(nn.Module):
         `offload_param`) just before its forward and freed after, so a rank holds about one layer at a time."""
         clash = [name for name, on in (("tensor_parallel.tp_size > 1", config.tp_size > 1), ("dtype=torch.int8", config.int8),
                                         ("replace_with_kernel_inject", config.replace_with_kernel_inject),
-                                        ("checkpoint", config.checkpoint is not None)) if on]
+                                        ("checkpoint", config.checkpoint is not None),
+                                        ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path))) if on]
         if clash:
             raise ValueError(f"zero stage 3 (ZeRO-Inference) does not combine with {', '.join(clash)}; drop them, "
                              "or drop the zero block")
@@ -226,7 +233,7 @@ def _refuse_unbuilt(config: InferenceConfig) -> None:
     if 0 < config.zero.stage < 3:
         todo.append(f"zero stage {config.zero.stage} (ZeRO-Inference is stage 3: the weights partitioned over the "
                     "ranks, or streamed from offload_param cpu / nvme)")
-    if config.save_mp_checkpoint_path or config.set_empty_params:
-        todo.append("save_mp_checkpoint_path / set_empty_params")
+    if config.set_empty_params:
+        todo.append("set_empty_params")
     if todo:
         raise ValueError("init_inference: not implemented yet: " + "; ".join(todo))

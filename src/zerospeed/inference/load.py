@@ -93,15 +93,22 @@ class StateDictReader:
         return shard_tensor(full, spec)
 
 
-def open_checkpoint(source, base_dir: str = "") -> SafetensorsReader | StateDictReader:
+def open_checkpoint(source, base_dir: str = ""):
     """A reader for `source`: a path (file or directory), or DeepSpeed's checkpoint json (a dict, or a path to
     a .json file: {"type": ..., "checkpoints": [files], "base_dir": ...}; its safetensors files, relative to
-    its base_dir, else `base_dir`, else the json's directory). Raises ValueError for a missing path or an
-    unknown layout, naming what was looked for."""
+    its base_dir, else `base_dir`, else the json's directory). A json (or its directory) with
+    "parallelization": "tp" is a `save_mp_checkpoint_path` save: an `mp_checkpoint.MpShardsReader`, to be
+    bound to the rank. Raises ValueError for a missing path or an unknown layout, naming what was looked for."""
+    from .mp_checkpoint import CONFIG_NAME, MpShardsReader
+
+    if isinstance(source, (str, Path)) and Path(source).is_dir() and (Path(source) / CONFIG_NAME).is_file():
+        source = Path(source) / CONFIG_NAME  # a save_mp_checkpoint_path directory
     if isinstance(source, (str, Path)) and str(source).endswith(".json") and Path(source).is_file():
         data = json.loads(Path(source).read_text())
         data.setdefault("base_dir", base_dir or str(Path(source).parent))
         source = data
+    if isinstance(source, dict) and source.get("parallelization") == "tp":  # save_mp_checkpoint_path's shards
+        return MpShardsReader(source, Path(source.get("base_dir") or base_dir or "."))
     if isinstance(source, dict):
         files = source.get("checkpoints") or []
         base = Path(source.get("base_dir") or base_dir or ".")

@@ -1,0 +1,133 @@
+"""`save_mp_checkpoint_path`: the served model's tensor-parallel shards saved for a fast reload.
+
+DeepSpeed's `init_inference(..., save_mp_checkpoint_path=DIR)` writes, once the model is sharded, each
+rank's part of the sharded layers and rank 0's copy of the rest, plus `DIR/ds_inference_config.json`:
+
+    {"type": "ds_model", "base_dir": DIR, "checkpoints": {"non_tp": [...], "tp": [...]}, "version": 1.0,
+     "parallelization": "tp", "tp_size": N, "dtype": "float32"}
+
+Passing that json as `checkpoint=` to a later `init_inference` at the same tp size lets each rank read its own
+file whole, without slicing the full tensors. Same layout and json here, with safetensors files instead of
+DeepSpeed's pickles (`torch.load` of a pickle can run code; these load with no pickle at all):
+`non-tp.safetensors` (rank 0: the tensors every rank holds whole) and `tp_<rank:02d>_00.safetensors` (each
+rank: its shards of the tensor-parallel layers and vocabulary tables, under the model's names). A tensor
+shared under several names (a tied lm_head) is stored once. A json of DeepSpeed's own (its `.pt` files) is
+refused by `open_checkpoint`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..utils.io import atomic_write
+
+__all__ = ["CONFIG_NAME", "save_mp_checkpoint", "MpShardsReader"]
+
+CONFIG_NAME = "ds_inference_config.json"
+NON_TP = "non-tp.safetensors"
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _tp_file(rank: int) -> str:
+    return f"tp_{rank:02d}_00.safetensors"
+
+
+def save_mp_checkpoint(model: nn.Module, path, tp) -> Path:
+    """Write `model`'s tensors (sharded in place by `init_inference`; tp: its `TPGroup`) under directory
+    `path` as the module docstring lays out (the tensor-parallel group holding global rank 0 writes: replicas
+    hold the same shards); returns the json's path. Collective over the world when torch.distributed is
+    initialised: the outcome is agreed, and global rank 0 writes the json last, only if every file was
+    written. `init_inference` calls it before any int8 quantization: the files hold the float shards, and a later
+    `dtype=torch.int8` run quantizes them as it loads. Raises the rank's own error, or RuntimeError naming a
+    failed rank."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from .load import _spec_of
+
+    path = Path(path)
+    sharded, whole, seen = {}, {}, set()
+    keep = set(model.state_dict(keep_vars=True))  # persistent buffers only
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in keep or id(t) in seen:
+            continue
+        seen.add(id(t))
+        (sharded if _spec_of(model, name) is not None else whole)[name] = t.detach().contiguous().cpu()
+    distributed = dist.is_available() and dist.is_initialized()
+    # the tensor-parallel group holding global rank 0 writes (other replicas hold the same shards)
+    writer = not distributed or tp.group is None or 0 in dist.get_process_group_ranks(tp.group)
+    own = None
+    if writer:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            atomic_write(path / _tp_file(tp.rank), lambda tmp: save_file(sharded, str(tmp)))
+            if tp.rank == 0:
+                atomic_write(path / NON_TP, lambda tmp: save_file(whole, str(tmp)))
+        except Exception as exc:  # noqa: BLE001 - agreed below, raised on every rank
+            own = exc
+    outcomes = [None]
+    if distributed:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, None if own is None else f"{type(own).__name__}: {own}")
+    if own is not None:
+        raise own
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if failed:
+        raise RuntimeError(f"save_mp_checkpoint_path {path}: rank {failed[0][0]} failed ({failed[0][1]})")
+    config = path / CONFIG_NAME
+    if not distributed or dist.get_rank() == 0:
+        dtype = next((t.dtype for t in whole.values() if t.is_floating_point()), torch.float32)
+        data = {"type": "ds_model", "base_dir": str(path), "version": 1.0, "parallelization": "tp",
+                "tp_size": tp.size, "dtype": _DTYPES.get(dtype, str(dtype).removeprefix("torch.")),
+                "checkpoints": {"non_tp": [NON_TP], "tp": [_tp_file(r) for r in range(tp.size)]}}
+        atomic_write(config, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1)))
+    if distributed:
+        dist.barrier()  # the json exists on return, on every rank
+    return config
+
+
+class MpShardsReader:
+    """Reads a `save_mp_checkpoint` directory (data: its json, base: the directory): `bind(rank, size)` once the
+    tensor-parallel group is known, then `names()` / `read(name, spec)` as `load.SafetensorsReader`, this
+    rank's shards whole (they are already its part). Raises ValueError for missing files or, at bind, another
+    tp size than the one saved."""
+
+    def __init__(self, data: dict, base: Path):
+        self.tp_size = int(data.get("tp_size", 1))
+        files = data.get("checkpoints") or {}
+        self.non_tp = [base / f for f in files.get("non_tp", [])]
+        self.tp = [base / f for f in files.get("tp", [])]
+        bad = [str(p) for p in self.non_tp + self.tp if p.suffix != ".safetensors" or not p.is_file()]
+        if bad or len(self.tp) != self.tp_size:
+            raise ValueError(f"tensor-parallel checkpoint {base}: expected {self.tp_size} tp files and safetensors "
+                             f"files that exist; missing or not safetensors: {bad[:4]} (a DeepSpeed .pt checkpoint "
+                             "is not read: reload the original weights)")
+        self._whole = self._shards = None
+
+    def bind(self, rank: int, size: int) -> None:
+        if size != self.tp_size:
+            raise ValueError(f"the checkpoint was saved at tensor-parallel size {self.tp_size} "
+                             f"(save_mp_checkpoint_path), this run uses tp_size={size}: serve it at tp_size="
+                             f"{self.tp_size}, or load the original full weights")
+        from .load import SafetensorsReader
+
+        self._whole = SafetensorsReader({k: v for p in self.non_tp for k, v in SafetensorsReader.from_path(p).files.items()})
+        self._shards = SafetensorsReader.from_path(self.tp[rank])
+
+    def _bound(self):
+        if self._shards is None:
+            raise RuntimeError("MpShardsReader.read() before bind(rank, size)")
+        return self._whole, self._shards
+
+    def names(self) -> set[str]:
+        whole, shards = self._bound()
+        return whole.names() | shards.names()
+
+    def read(self, name: str, spec=None) -> torch.Tensor:
+        whole, shards = self._bound()
+        if name in shards.files:
+            return shards.read(name)  # this rank's part, as saved
+        return whole.read(name, spec)
