@@ -200,6 +200,11 @@ def mp_saved_then_served(rank, world, arch, path):
         other = type(ref)(ref.config).eval()
     with pytest.raises(ValueError, match="saved at tensor-parallel size 2.*tp_size=1") as info:
         zerospeed.init_inference(other, dtype=torch.float32, checkpoint=path)  # the directory works too
+    blocker = Path(path).parent / f"{Path(path).name}-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError):  # every rank raises (its own error), none hangs; nothing else is written
+        zerospeed.init_inference(BUILD[arch](seed=0).eval(), tensor_parallel={"tp_size": 2}, dtype=torch.float32,
+                                 save_mp_checkpoint_path=str(blocker / "sub"))
     return torch.equal(a, b), diff, sorted(p.name for p in Path(path).iterdir()), str(info.value)
 
 

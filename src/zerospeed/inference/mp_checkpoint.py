@@ -41,7 +41,7 @@ def save_mp_checkpoint(model: nn.Module, path, tp) -> Path:
     hold the same shards); returns the json's path. Collective over the world when torch.distributed is
     initialised: the outcome is agreed, and global rank 0 writes the json last, only if every file was
     written. `init_inference` calls it before any int8 quantization: the files hold the float shards, and a later
-    `dtype=torch.int8` run quantizes them as it loads. Raises the rank's own error, or RuntimeError naming a
+    `dtype=torch.int8` run quantizes them as it loads. Raises the rank's own error, or CheckpointError naming a
     failed rank."""
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -68,15 +68,13 @@ def save_mp_checkpoint(model: nn.Module, path, tp) -> Path:
                 atomic_write(path / NON_TP, lambda tmp: save_file(whole, str(tmp)))
         except Exception as exc:  # noqa: BLE001 - agreed below, raised on every rank
             own = exc
-    outcomes = [None]
-    if distributed:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, None if own is None else f"{type(own).__name__}: {own}")
-    if own is not None:
+    if distributed:  # agreed over the world: every rank raises if any failed
+        from ..runtime.checkpoint import _all_gather_object, _raise_gathered
+
+        errors = _all_gather_object(None if own is None else (type(own).__name__, str(own)), None)
+        _raise_gathered(errors, own, f"save_mp_checkpoint_path {path}")
+    elif own is not None:
         raise own
-    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-    if failed:
-        raise RuntimeError(f"save_mp_checkpoint_path {path}: rank {failed[0][0]} failed ({failed[0][1]})")
     config = path / CONFIG_NAME
     if not distributed or dist.get_rank() == 0:
         dtype = next((t.dtype for t in whole.values() if t.is_floating_point()), torch.float32)
