@@ -200,6 +200,16 @@ def mp_saved_then_served(rank, world, arch, path):
         other = type(ref)(ref.config).eval()
     with pytest.raises(ValueError, match="saved at tensor-parallel size 2.*tp_size=1") as info:
         zerospeed.init_inference(other, dtype=torch.float32, checkpoint=path)  # the directory works too
+    # tp 1 in a world of 2 (each rank serves alone): rank 0 writes, every rank reloads the same file
+    alone = f"{path}-tp1"
+    zerospeed.init_inference(BUILD[arch](seed=0).eval(), dtype=torch.float32, save_mp_checkpoint_path=alone)
+    with torch.device("meta"):
+        other = type(ref)(ref.config).eval()
+    reloaded = zerospeed.init_inference(other, dtype=torch.float32, checkpoint=alone)
+    with torch.no_grad():
+        alone_diff = (reloaded(ids, attention_mask=mask).logits - ref(ids, attention_mask=mask).logits).abs().max()
+    assert alone_diff.item() == 0.0 and sorted(p.name for p in Path(alone).iterdir()) == [
+        "ds_inference_config.json", "non-tp.safetensors", "tp_00_00.safetensors"]
     blocker = Path(path).parent / f"{Path(path).name}-file"
     blocker.write_text("not a directory")
     with pytest.raises(OSError):  # every rank raises (its own error), none hangs; nothing else is written

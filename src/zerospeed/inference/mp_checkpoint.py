@@ -58,7 +58,12 @@ def save_mp_checkpoint(model: nn.Module, path, tp) -> Path:
         (sharded if _spec_of(model, name) is not None else whole)[name] = t.detach().contiguous().cpu()
     distributed = dist.is_available() and dist.is_initialized()
     # the tensor-parallel group holding global rank 0 writes (other replicas hold the same shards)
-    writer = not distributed or tp.group is None or 0 in dist.get_process_group_ranks(tp.group)
+    if not distributed:
+        writer = True
+    elif tp.size == 1:  # every rank serves alone: rank 0 writes
+        writer = dist.get_rank() == 0
+    else:
+        writer = tp.group is None or 0 in dist.get_process_group_ranks(tp.group)
     own = None
     if writer:
         try:
