@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from .topology import PipeModelDataParallelTopology, expert_rank_lists
+from .topology import PipeModelDataParallelTopology, carve_expert_lists, expert_rank_lists
 
 __all__ = ["ParallelDims", "ParallelMesh", "MpuError", "MPU_REQUIRED"]
 
@@ -195,11 +195,7 @@ class ParallelMesh:
             mine = dist.get_process_group_ranks(data) if data is not None else list(range(world))
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
-            expert, expert_data = [], []
-            for ranks in sorted({tuple(r) for r in everyone}):
-                runs = [list(ranks[i:i + ep]) for i in range(0, dp, ep)]
-                expert.extend(runs)
-                expert_data.extend([list(pos) for pos in zip(*runs)])
+            expert, expert_data = carve_expert_lists(sorted({tuple(r) for r in everyone}), ep)
             groups = {"expert": dist.new_subgroups_by_enumeration(expert)[0],
                       "expert_data": dist.new_subgroups_by_enumeration(expert_data)[0]}
         return ParallelMesh(dims, {**self._groups, **groups}, topology=self.topology, device_mesh=self.device_mesh)

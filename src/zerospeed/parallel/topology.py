@@ -14,7 +14,8 @@ import itertools
 import math
 from collections import namedtuple
 
-__all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "expert_rank_lists"]
+__all__ = ["ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "carve_expert_lists",
+           "expert_rank_lists"]
 
 
 class ProcessTopology:
@@ -144,9 +145,17 @@ def expert_rank_lists(topology: ProcessTopology, ep: int) -> tuple[list[list[int
     if ep < 1 or dp % ep:
         raise ValueError(f"the expert-parallel size ep={ep} must be >= 1 and divide the data-parallel size "
                          f"dp={dp}; choose ep among {[d for d in range(1, dp + 1) if dp % d == 0]}")
+    return carve_expert_lists(topology.get_axis_comm_lists("data"), ep)
+
+
+def carve_expert_lists(data_lists, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """`expert_rank_lists`' cut of given data-parallel rank lists (each of the same length dp, ep dividing
+    it): each list into runs of `ep` consecutive ranks (the expert groups), the ranks at the same place of
+    every run of a list together (the expert-data groups). Pure."""
     expert, expert_data = [], []
-    for data_ranks in topology.get_axis_comm_lists("data"):
-        runs = [data_ranks[i:i + ep] for i in range(0, dp, ep)]
+    for data_ranks in data_lists:
+        data_ranks = list(data_ranks)
+        runs = [data_ranks[i:i + ep] for i in range(0, len(data_ranks), ep)]
         expert.extend(runs)
         expert_data.extend([list(pos) for pos in zip(*runs)])
     return expert, expert_data
