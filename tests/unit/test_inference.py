@@ -48,8 +48,9 @@ def test_config_conflicts_and_unknown_keys():
         load_inference_config({"use_triton": True})
     with pytest.raises(ConfigError, match="dtype 'fp8' is not supported"):
         load_inference_config({"dtype": "fp8"})
-    with pytest.raises(ConfigError, match="expert-parallel inference"):
-        load_inference_config({"moe": {"ep_size": 2}})
+    assert load_inference_config({"moe": {"ep_size": 2}}).moe.ep_size == 2  # expert-parallel serving
+    with pytest.warns(ConfigDeprecationWarning, match="ep_size is deprecated"):
+        assert load_inference_config(None, {"ep_size": 2}).moe.ep_size == 2
 
 
 def test_deprecated_mp_size_maps_to_tp_size():
@@ -179,3 +180,52 @@ def test_config_file_and_checkpoint_json(tmp_path):
                 assert torch.equal(got, want)
             else:
                 assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def _tiny_mixtral(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32)).eval()
+
+
+def test_moe_checkpoint_in_the_original_layout(tmp_path):
+    """transformers 5 saves Mixtral's experts per expert (`block_sparse_moe.experts.3.w1.weight`, the Hub's
+    layout) and fuses them on load; a meta model served from that checkpoint gets the same fused weights
+    as `from_pretrained`, and the same logits as the saved model."""
+    from safetensors import safe_open
+
+    ref = _tiny_mixtral()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in f.keys()  # the original layout on disk
+    with torch.device("meta"):
+        model = type(ref)(ref.config).eval()
+    engine = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path))
+    loaded = type(ref).from_pretrained(tmp_path).eval()
+    for name, p in loaded.named_parameters():
+        assert torch.equal(engine.module.get_parameter(name), p), name
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(engine(ids).logits, ref(ids).logits)
+
+
+def test_expert_parallel_bad_input():
+    """Refused before any process group or weight change: a dense model, an ep not dividing the experts, and
+    the options expert-parallel serving does not combine with yet."""
+    with pytest.raises(ValueError, match="has no MoE layer to split.*Drop moe.ep_size"):
+        zerospeed.init_inference(tiny_hf_llama(), moe={"ep_size": 2}, dtype=torch.float32)
+    with pytest.raises(ValueError, match="ep_size=3 does not divide the 4 experts of model.layers.0.mlp"):
+        zerospeed.init_inference(_tiny_mixtral(), ep_size=3, dtype=torch.float32)
+    for kwargs, words in (({"tensor_parallel": {"tp_size": 2}}, "tensor_parallel.tp_size > 1"),
+                          ({"replace_with_kernel_inject": True}, "replace_with_kernel_inject"),
+                          ({"zero": {"stage": 3}}, "zero stage 3")):
+        with pytest.raises(ValueError, match=f"does not combine with {words}"):
+            zerospeed.init_inference(_tiny_mixtral(), moe={"ep_size": 2}, dtype=torch.float32, **kwargs)
+    model = _tiny_mixtral()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError):
+        zerospeed.init_inference(model, moe={"ep_size": 2}, dtype=torch.float32, replace_with_kernel_inject=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing changed

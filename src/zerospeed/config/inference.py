@@ -66,7 +66,10 @@ class InferenceTPConfig(ConfigModel):
 
 
 class InferenceMoEConfig(ConfigModel):
-    """``moe``: DeepSpeed's inference MoE block. Expert-parallel serving is not built: ep_size must be 1."""
+    """``moe``: DeepSpeed's inference MoE block. ep_size > 1 spreads each MoE layer's experts over ep_size ranks
+    (`inference/ep.py`); ep_group: the process group to use (default: consecutive ranks); moe_experts and type
+    are accepted for DeepSpeed's injected kernels and have no effect; ep_mp_group (expert tensor parallelism)
+    is refused by the engine."""
 
     enabled: bool = True
     ep_size: int = Field(1, ge=1)
@@ -74,14 +77,6 @@ class InferenceMoEConfig(ConfigModel):
     type: str = "standard"
     ep_mp_group: Any = None
     ep_group: Any = Field(None, alias="expert_group")
-
-    @field_validator("ep_size")
-    @classmethod
-    def _ep(cls, v):
-        if v > 1:
-            raise ValueError(f"ep_size={v}: expert-parallel inference is not implemented; serve the MoE model with "
-                             "tensor parallelism (tensor_parallel.tp_size) or ep_size 1")
-        return v
 
 
 class _BaseQuant(ConfigModel):

@@ -10,6 +10,7 @@ What happens, in order (each step only when its option asks for it), all checked
 3. with tp_size > 1: the ranks' weights are checked equal (unless a checkpoint is loaded), the linear
    layers are sharded by the AutoTP plan (`inference/tp.py`), the RNG state is broadcast so sampling
    agrees across ranks (as DeepSpeed);
+3a. with moe.ep_size > 1: each MoE layer's experts spread over an expert group (`inference/ep.py`);
 3b. `checkpoint`: a model on the meta device gets its shards allocated, and every rank reads its own part
    of each tensor from the file (`inference/load.py`); a materialised model is overwritten the same way;
 3c. `save_mp_checkpoint_path`: every rank saves its shards for a fast reload (`inference/mp_checkpoint.py`);
@@ -48,8 +49,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> "Infe
 class InferenceEngine(nn.Module):
     """The served model. `engine(*inputs, **kwargs)` is `engine.module(...)`; `engine.module` is the user's
     model, sharded / cast / quantized in place (its `generate` is HF's own). Attributes: `tp` (TPGroup:
-    group, size, rank), `sharded` (names of the tensor-parallel layers), `quantized` (names of the int8
-    layers)."""
+    group, size, rank), `sharded` (names of the tensor-parallel layers), `ep` (the expert group, the same
+    triple), `experts` (names of the experts modules split over it), `quantized` (names of the int8 layers)."""
 
     def __init__(self, model: nn.Module, config: InferenceConfig):
         super().__init__()
@@ -70,6 +71,8 @@ class InferenceEngine(nn.Module):
         want_tp = config.tp_size > 1 or tp.tp_group is not None or tp.mpu is not None
         if want_tp:
             plan = inference_plan(model, config.injection_policy)  # a missing plan fails before any collective
+        from .ep import expert_plan
+        experts = expert_plan(model, config)  # pure: a bad ep fails before any collective
         if config.injection_policy and config.replace_with_kernel_inject:
             raise ValueError("injection_policy and replace_with_kernel_inject=true are exclusive (as in DeepSpeed): "
                              "drop one")
@@ -81,6 +84,9 @@ class InferenceEngine(nn.Module):
         if config.checkpoint is not None:
             from .load import open_checkpoint
             reader = open_checkpoint(config.checkpoint, config.base_dir)  # a bad path fails here, before any change
+            if not hasattr(reader, "bind"):  # a HF checkpoint in the original layout: experts fused as read
+                from .hf_layout import converted
+                reader = converted(reader, model)
         self.module = model
         self.zero_engine = None
         if config.zero.stage == 3:
@@ -95,6 +101,12 @@ class InferenceEngine(nn.Module):
                 check_same_weights(model, self.tp.group)
             self.sharded = shard_for_inference(model, plan, self.tp)
             _broadcast_rng(self.tp.group)
+        self.ep: TPGroup = TPGroup(None, 1, 0)
+        self.experts: list[str] = []
+        if experts.size > 1:
+            from .ep import expert_group, shard_experts
+            self.ep = expert_group(experts.size, config.moe.ep_group)
+            self.experts = shard_experts(model, experts, self.ep, same_weights=reader is None and not meta)
         if meta:  # allocate this rank's shards only, then fill them
             from .load import materialize
             materialize(model, torch.device("cpu") if config.keep_module_on_host else accel.current_device_name())
@@ -153,6 +165,7 @@ class InferenceEngine(nn.Module):
         self.zero_engine, *_ = initialize(model=model, config=ds)
         self.module = self.zero_engine.module
         self.tp, self.sharded, self.quantized, self.decode_step = TPGroup(None, 1, 0), [], [], None
+        self.ep, self.experts = TPGroup(None, 1, 0), []
         self._is_compiled, self._model_times = False, []
 
     # -- DeepSpeed's InferenceEngine surface ------------------------------------------------------

@@ -144,7 +144,8 @@ def materialize(model: nn.Module, device) -> None:
 
 def _spec_of(model: nn.Module, name: str):
     """How parameter `name` is sharded: a ShardSpec (a tensor-parallel layer), a (start, end) row range (a
-    vocab-parallel table), or None (whole)."""
+    vocab-parallel table, or this rank's experts of a fused expert weight), or None (whole)."""
+    from ..moe.autoep import ExpertParallelExperts
     from ..tensor_parallel.layers import _ParallelLinear
     from .vocab import _VocabParallel
 
@@ -152,6 +153,8 @@ def _spec_of(model: nn.Module, name: str):
     module = model.get_submodule(owner) if owner else model
     if isinstance(module, _VocabParallel) and attr == "weight":
         return (module.start, module.end)
+    if isinstance(module, ExpertParallelExperts):
+        return (module.ep_rank * module.num_local_experts, (module.ep_rank + 1) * module.num_local_experts)
     return module.shard_specs.get(attr) if isinstance(module, _ParallelLinear) else None
 
 

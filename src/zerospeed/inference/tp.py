@@ -113,10 +113,11 @@ def inference_plan(model: nn.Module, injection_policy: dict | None = None) -> TP
                          "row-parallel, the block's other linear layers column-parallel") from None
 
 
-def check_same_weights(model: nn.Module, group) -> None:
+def check_same_weights(model: nn.Module, group, what: str = "tensor-parallel") -> None:
     """Raise ValueError if the ranks of `group` hold different weights (a per-tensor float64 sum, compared by
-    an all-reduce of max and min): tensor parallelism shards one model, so every rank must start from the
-    same full weights (load the same checkpoint, or build with the same seed)."""
+    an all-reduce of max and min): tensor (or expert) parallelism shards one model, so every rank must start
+    from the same full weights (load the same checkpoint, or build with the same seed). what: the ranks' name
+    in the message."""
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
     if not tensors:
         return
@@ -130,7 +131,7 @@ def check_same_weights(model: nn.Module, group) -> None:
     if bad:
         names = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_floating_point()]
         shown = ", ".join(names[i] for i in bad[:4])
-        raise ValueError(f"the tensor-parallel ranks hold different weights ({len(bad)} tensors differ, e.g. {shown}); "
+        raise ValueError(f"the {what} ranks hold different weights ({len(bad)} tensors differ, e.g. {shown}); "
                          "every rank must start from the same full model: load the same checkpoint, or seed "
                          "(torch.manual_seed) identically before building it")
 
