@@ -21,10 +21,10 @@ transformers = pytest.importorskip("transformers")
 VOCAB, E, NEW = 64, 4, 12
 
 
-def _model(kind: str):
+def _model(kind: str, kv_heads: int = 1):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                  num_key_value_heads=kv_heads, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
                   pad_token_id=0)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=E, num_experts_per_tok=2, **common)
@@ -89,6 +89,33 @@ def test_expert_parallel_serving_matches_the_plain_model(kind, world, tmp_path):
         assert out["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], out
         assert out["fp32"] < 1e-5 and out["tokens"] and out["rows"], out
         assert out["meta_rows"] and out["meta_fp32"] < 1e-5, out
+
+
+def tp_and_ep(rank, world):
+    """tp 2 x ep 2 at world 4: the attention split over tensor groups [0, 1] and [2, 3], the experts over the
+    ranks of one tensor coordinate, [0, 2] and [1, 3]."""
+    import torch.distributed as dist
+
+    import zerospeed
+
+    ids, mask = _prompts(rank // 2)  # the two ranks of a tensor group serve the same prompts
+    ref = _model("mixtral", kv_heads=2)
+    with torch.no_grad():
+        want, want_tokens = ref(ids, attention_mask=mask).logits, _generate(ref, ids, mask)
+        engine = zerospeed.init_inference(_model("mixtral", kv_heads=2), tensor_parallel={"tp_size": 2},
+                                          moe={"ep_size": 2}, dtype=torch.float32)
+        groups = (dist.get_process_group_ranks(engine.tp.group), dist.get_process_group_ranks(engine.ep.group))
+        diff = (engine(ids, attention_mask=mask).logits - want).abs().max().item()
+        same = torch.equal(_generate(engine.module, ids, mask), want_tokens)
+        heads = engine.module.model.layers[0].self_attn.q_proj.weight.shape[0] * 2 == ref.config.hidden_size
+    return groups, diff, same, heads, engine.ep.rank
+
+
+def test_expert_parallel_with_tensor_parallel():
+    for rank, (groups, diff, same, heads, ep_rank) in enumerate(run_distributed(tp_and_ep, 4, timeout=240)):
+        assert groups == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]), groups
+        assert ep_rank == rank // 2 and heads, (ep_rank, heads)
+        assert diff < 1e-5 and same, (diff, same)
 
 
 M = 8

@@ -219,7 +219,7 @@ def test_expert_parallel_bad_input():
         zerospeed.init_inference(tiny_hf_llama(), moe={"ep_size": 2}, dtype=torch.float32)
     with pytest.raises(ValueError, match="ep_size=3 does not divide the 4 experts of model.layers.0.mlp"):
         zerospeed.init_inference(_tiny_mixtral(), ep_size=3, dtype=torch.float32)
-    for kwargs, words in (({"tensor_parallel": {"tp_size": 2}}, "tensor_parallel.tp_size > 1"),
+    for kwargs, words in (({"save_mp_checkpoint_path": "unused"}, "save_mp_checkpoint_path"),
                           ({"replace_with_kernel_inject": True}, "replace_with_kernel_inject"),
                           ({"zero": {"stage": 3}}, "zero stage 3")):
         with pytest.raises(ValueError, match=f"does not combine with {words}"):

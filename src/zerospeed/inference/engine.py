@@ -94,7 +94,12 @@ class InferenceEngine(nn.Module):
             return
         if not config.int8:
             model.to(config.dtype)
-        self.tp: TPGroup = tp_group(config.tp_size, group=tp.tp_group, mpu=tp.mpu) if want_tp else TPGroup(None, 1, 0)
+        mesh = None
+        if experts.size > 1 and config.moe.ep_group is None:  # one mesh: the expert groups carved beside tp
+            from .ep import expert_mesh
+            mesh = expert_mesh(config.tp_size, experts.size)
+        self.tp: TPGroup = tp_group(config.tp_size, group=tp.tp_group, mpu=tp.mpu, mesh=mesh) if want_tp \
+            else TPGroup(None, 1, 0)
         self.sharded: list[str] = []
         if self.tp.size > 1:
             if reader is None:
@@ -105,7 +110,7 @@ class InferenceEngine(nn.Module):
         self.experts: list[str] = []
         if experts.size > 1:
             from .ep import expert_group, shard_experts
-            self.ep = expert_group(experts.size, config.moe.ep_group)
+            self.ep = expert_group(experts.size, config.moe.ep_group, mesh)
             self.experts = shard_experts(model, experts, self.ep, same_weights=reader is None and not meta)
         if meta:  # allocate this rank's shards only, then fill them
             from .load import materialize

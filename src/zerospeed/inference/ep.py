@@ -6,6 +6,11 @@ The experts of every MoE layer are spread over an "expert" group of N ranks (con
 experts, and the tokens are exchanged with all-to-all - the training path's layers, unchanged
 (DeepSpeed-MoE, Rajbhandari et al. 2022 §5: expert parallelism for inference):
 
+With tensor parallelism (`tensor_parallel.tp_size`, world = tp x ep x replicas) the expert groups are carved
+from the data-parallel ranks as in training (`ParallelMesh.build(tp=, ep=)`): the ranks of one tensor group
+hold the same experts and run the same tokens (the attention's all-reduce made them equal), each exchanging
+with its peers of the same tensor coordinate in the other tensor groups.
+
 * an unmodified Hugging Face MoE model (Mixtral, Qwen3-MoE, DeepSeek-V2/V3: transformers' fused experts) gets
   AutoEP's `moe.autoep.ExpertParallelExperts` in place of each block's experts: this rank's rows of the fused
   weights, run dropless on exactly the tokens routed to them, so the outputs equal the unmodified model's;
@@ -15,8 +20,8 @@ experts, and the tokens are exchanged with all-to-all - the training path's laye
   expert group (without it its forward raises). Its capacity at eval is `eval_capacity_factor`, as in training.
 
 DeepSpeed 0.19.8 creates the groups but gives them only to its CUDA-only injected MoE kernels.
-Not combined yet (ValueError naming them): tensor parallelism, kernel injection, ZeRO-Inference,
-`save_mp_checkpoint_path`, `moe.ep_mp_group` (expert tensor parallelism).
+Not combined yet (ValueError naming them): kernel injection, ZeRO-Inference, `save_mp_checkpoint_path`,
+`moe.ep_mp_group` (expert tensor parallelism), a user's tp_group / mpu without `moe.ep_group`.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from torch import nn
 
 from .tp import TPGroup
 
-__all__ = ["ExpertPlan", "expert_plan", "shard_experts"]
+__all__ = ["ExpertPlan", "expert_plan", "expert_mesh", "expert_group", "shard_experts"]
 
 
 class ExpertPlan:
@@ -70,7 +75,9 @@ def expert_plan(model: nn.Module, config) -> ExpertPlan:
         if b.num_experts % ep:
             raise ValueError(f"moe.ep_size={ep} does not divide the {b.num_experts} experts of {b.name}; use a "
                              f"divisor of {b.num_experts}")
-    clash = [name for name, on in (("tensor_parallel.tp_size > 1", config.tp_size > 1),
+    tp = config.tensor_parallel
+    clash = [name for name, on in (("tensor_parallel.tp_group or mpu without moe.ep_group",
+                                     (tp.tp_group is not None or tp.mpu is not None) and moe.ep_group is None),
                                     ("replace_with_kernel_inject", config.replace_with_kernel_inject),
                                     ("zero stage 3 (ZeRO-Inference)", config.zero.stage == 3),
                                     ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path)),
@@ -81,26 +88,33 @@ def expert_plan(model: nn.Module, config) -> ExpertPlan:
     return ExpertPlan(ep, blocks, layers)
 
 
-def expert_group(ep: int, group=None) -> TPGroup:
-    """The expert group: `group` (DeepSpeed's `moe.ep_group`), else consecutive ranks of `ep` (`ParallelMesh.build(
-    ep=ep)`). Initialises torch.distributed from the launcher's environment if needed. Collective over the world
-    when it creates groups. Raises ValueError when ep does not divide the world or differs from the group's size."""
+def expert_mesh(tp_size: int, ep: int):
+    """The `ParallelMesh` of tensor size `tp_size` and expert size `ep` (`ParallelMesh.build(tp=, ep=)`): the
+    expert groups carved from the data-parallel ranks, i.e. ranks of one tensor coordinate - consecutive ranks
+    at tp 1. Initialises torch.distributed from the launcher's environment if needed. Collective over the world.
+    Raises ValueError when tp x ep does not divide the world size."""
     if not dist.is_initialized():
         from ..comm import init_distributed
         init_distributed()
+    world = dist.get_world_size()
+    if world % (tp_size * ep):
+        raise ValueError(f"moe.ep_size={ep} x tensor_parallel.tp_size={tp_size} does not divide the world size "
+                         f"{world}; use sizes whose product divides it (the remaining ranks serve replicas)")
+    from ..parallel import ParallelMesh
+
+    return ParallelMesh.build(tp=tp_size, ep=ep)
+
+
+def expert_group(ep: int, group=None, mesh=None) -> TPGroup:
+    """The expert group: `group` (DeepSpeed's `moe.ep_group`), else the `mesh`'s (`expert_mesh`). Collective
+    over the world when it creates groups. Raises ValueError when ep differs from the given group's size."""
     if group is not None:
         size = dist.get_world_size(group)
         if size != ep:
             raise ValueError(f"moe.ep_size={ep} but the given moe.ep_group has {size} ranks; make them equal")
         return TPGroup(group, size, dist.get_rank(group))
-    world = dist.get_world_size()
-    if world % ep:
-        raise ValueError(f"moe.ep_size={ep} does not divide the world size {world}; use an ep size that divides it "
-                         "(the remaining world / ep groups serve replicas)")
-    from ..parallel import ParallelMesh
     from ..runtime.moe_setup import expert_comm_group
 
-    mesh = ParallelMesh.build(ep=ep)
     comm = expert_comm_group(mesh)
     return TPGroup(comm, ep, dist.get_rank(comm))
 

@@ -34,13 +34,15 @@ class TPGroup:
         return f"TPGroup(size={self.size}, rank={self.rank})"
 
 
-def tp_group(tp_size: int, *, group=None, mpu=None) -> TPGroup:
-    """The group to shard over: the mpu's model-parallel group, `group`, or consecutive ranks of `tp_size`
-    (`ParallelMesh.build(tp=tp_size)`: the other ranks hold replicas). Initialises torch.distributed from the
-    launcher's environment if needed. Raises ValueError when tp_size does not divide the world size or
-    disagrees with the group's size."""
+def tp_group(tp_size: int, *, group=None, mpu=None, mesh=None) -> TPGroup:
+    """The group to shard over: the mpu's model-parallel group, `group`, the `mesh`'s "tensor" group (a
+    `ParallelMesh` built with expert groups too), or consecutive ranks of `tp_size` (`ParallelMesh.build(
+    tp=tp_size)`: the other ranks hold replicas). Initialises torch.distributed from the launcher's environment
+    if needed. Raises ValueError when tp_size does not divide the world size or disagrees with the group's size."""
     if tp_size == 1 and group is None and mpu is None:
         return TPGroup(None, 1, 0)
+    if mesh is not None and group is None and mpu is None:
+        return TPGroup(mesh.group("tensor"), tp_size, mesh.rank("tensor"))
     if not dist.is_initialized():
         from ..comm import init_distributed
         init_distributed()
