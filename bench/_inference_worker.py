@@ -37,7 +37,7 @@ import torch  # noqa: E402
 VOCAB = 50257  # GPT2Config()'s
 # name -> GPT2Config keyword arguments (124m is GPT2Config()'s defaults, spelt out for measure_bandwidth)
 MODELS = {"124m": dict(n_embd=768, n_layer=12, n_head=12), "350m": dict(n_embd=1024, n_layer=24, n_head=16)}
-# system -> (kind, dtype, kernel injection, tp size)
+# system -> (kind, dtype, kernel injection (True, False or "nofreeze": set_empty_params=True), tp size)
 SYSTEMS = {
     "hf-fp32": ("hf", "fp32", False, 1),
     "hf-bf16": ("hf", "bf16", False, 1),
@@ -45,6 +45,7 @@ SYSTEMS = {
     "zs-bf16": ("zs", "bf16", True, 1),
     "zs-int8": ("zs", "int8", True, 1),
     "zs-fp32-noinject": ("zs", "fp32", False, 1),
+    "zs-fp32-nofreeze": ("zs", "fp32", "nofreeze", 1),
     "zs-tp2-fp32": ("zs", "fp32", True, 2),
     "zs-tp2-bf16": ("zs", "bf16", True, 2),
     "deepspeed-fp32": ("deepspeed", "fp32", False, 1),
@@ -84,7 +85,8 @@ def wrap(system: str, net):
     if kind == "zs":
         import zerospeed
 
-        kw = {"dtype": DTYPES[dtype], "replace_with_kernel_inject": inject}
+        kw = {"dtype": DTYPES[dtype], "replace_with_kernel_inject": bool(inject),
+              "set_empty_params": inject == "nofreeze"}
         if tp > 1:
             kw["tensor_parallel"] = {"tp_size": tp}
         engine = zerospeed.init_inference(net, **kw)

@@ -146,6 +146,24 @@ def test_kernel_injection_generates_the_plain_models_tokens(arch):
         assert torch.equal(got, want), (seed, got, want)
 
 
+def test_set_empty_params_compiles_over_the_models_own_weights():
+    """set_empty_params=True: the decode step is compiled without freezing, so it holds no copy of the weights
+    and reads the model's tensors: a weight changed in place after compiling changes the next generate's
+    tokens as in the plain model (a frozen step would keep decoding with the old lm_head)."""
+    ref = tiny_hf_llama().eval()
+    engine = zerospeed.init_inference(tiny_hf_llama().eval(), dtype=torch.float32, replace_with_kernel_inject=True,
+                                      set_empty_params=True)
+    assert engine.decode_step.freeze is False
+    ids = _ids(batch=2, length=8, seed=6)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(engine.module.generate(ids, **kw), ref.generate(ids, **kw))
+        for model in (ref, engine.module):
+            model.lm_head.weight.mul_(-1)
+        want = ref.generate(ids, **kw)
+        assert torch.equal(engine.module.generate(ids, **kw), want)
+
+
 def test_kernel_injection_needs_a_generation_model():
     with pytest.raises(ValueError, match="Hugging Face generation models"):
         zerospeed.init_inference(torch.nn.Linear(4, 4), dtype=torch.float32, replace_with_kernel_inject=True)

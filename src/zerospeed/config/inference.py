@@ -139,6 +139,9 @@ class InferenceConfig(ConfigModel):
     DeepSpeed's checkpoint json dict; each rank reads only its shard."""
     base_dir: str = ""
     set_empty_params: bool = False
+    """DeepSpeed: the injected kernel modules allocate no weights, they use the model's. Here kernel injection
+    then compiles its decode step without inductor's freezing, so it keeps no packed copy of the weights
+    (less memory, slower decode: bench/README); without injection nothing is copied and it has no effect."""
     save_mp_checkpoint_path: Optional[str] = None
     checkpoint_config: dict = Field(default_factory=dict, alias="ckpt_config")
     return_tuple: bool = True

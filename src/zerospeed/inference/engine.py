@@ -90,7 +90,7 @@ class InferenceEngine(nn.Module):
         self.module = model
         self.zero_engine = None
         if config.zero.stage == 3:
-            self._zero_inference(model, config)
+            self._zero_inference(model, config, reader, meta)
             return
         if not config.int8:
             model.to(config.dtype)
@@ -139,17 +139,18 @@ class InferenceEngine(nn.Module):
         if config.replace_with_kernel_inject:
             from .inject import inject_kernels
             device = next((p.device for p in model.parameters()), torch.device(accel.current_device_name()))
-            self.decode_step = inject_kernels(model, device)
+            self.decode_step = inject_kernels(model, device, freeze=not config.set_empty_params)
         self._is_compiled = False
         self._model_times: list[float] = []
 
-    def _zero_inference(self, model: nn.Module, config: InferenceConfig) -> None:
+    def _zero_inference(self, model: nn.Module, config: InferenceConfig, reader, meta: bool) -> None:
         """ZeRO-Inference (ZeRO-Infinity, Rajbhandari et al. 2021, §5): a ZeRO-3 engine without optimizer over
         every rank; each layer's weights are gathered (read from host memory or NVMe ahead of use with
-        `offload_param`) just before its forward and freed after, so a rank holds about one layer at a time."""
+        `offload_param`) just before its forward and freed after, so a rank holds about one layer at a time.
+        With `checkpoint`: a meta model is partitioned as it is read (`inference/zero_load.py`: no rank holds
+        it whole); a materialised one is overwritten from the file, then partitioned."""
         clash = [name for name, on in (("tensor_parallel.tp_size > 1", config.tp_size > 1), ("dtype=torch.int8", config.int8),
                                         ("replace_with_kernel_inject", config.replace_with_kernel_inject),
-                                        ("checkpoint", config.checkpoint is not None),
                                         ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path))) if on]
         if clash:
             raise ValueError(f"zero stage 3 (ZeRO-Inference) does not combine with {', '.join(clash)}; drop them, "
@@ -162,6 +163,14 @@ class InferenceEngine(nn.Module):
             # no optimizer reads the ZeRO-3 fp32 master shard, but the stage keeps one per unit: on NVMe beside
             # the parameter shard (written once), host memory holds only the read buffers and gathered layers
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": param.get("nvme_path")}
+        if hasattr(reader, "bind"):  # save_mp_checkpoint_path's files: one tp rank's
+            reader.bind(0, 1)
+        if reader is not None and meta:
+            from .zero_load import build_partitioned
+            build_partitioned(model, reader, zero, torch.float32)  # fp32 masters, as a zero.Init build
+        elif reader is not None:
+            from .load import load_weights
+            load_weights(model, reader)
         ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
         if config.dtype is torch.bfloat16:
             ds["bf16"] = {"enabled": True}
@@ -251,7 +260,5 @@ def _refuse_unbuilt(config: InferenceConfig) -> None:
     if 0 < config.zero.stage < 3:
         todo.append(f"zero stage {config.zero.stage} (ZeRO-Inference is stage 3: the weights partitioned over the "
                     "ranks, or streamed from offload_param cpu / nvme)")
-    if config.set_empty_params:
-        todo.append("set_empty_params")
     if todo:
         raise ValueError("init_inference: not implemented yet: " + "; ".join(todo))

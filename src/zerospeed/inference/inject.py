@@ -14,6 +14,8 @@ device:
   cores for a 124M-parameter GPT-2 at batch 1: 19 ms per decode step against 42 ms eager, i.e. the weights
   are read at ~26 GB/s where the eager fp32 GEMV reaches ~12-17 GB/s (bench/bench_inference.py). Freezing
   keeps a packed copy of the weights next to the originals (used by the eager prefill): ~2x weight memory.
+  `set_empty_params=True` (DeepSpeed: the injected modules allocate no weights of their own, they use the
+  model's) compiles without freezing: the step reads the model's tensors, no copy.
 
 Freezing also fixes the tensors HF marks as static addresses - the cache's keys, values and
 `cumulative_length` - into the compiled step, so `generate` must reuse one cache per (batch, length)
@@ -37,16 +39,18 @@ __all__ = ["inject_kernels", "FrozenCompiledCall"]
 
 
 class FrozenCompiledCall:
-    """`torch.compile(fn, mode="max-autotune-no-cudagraphs")`, every call under inductor's `freezing=True`
-    (compilation reads the setting when a new shape is first seen, which is during a call)."""
+    """`torch.compile(fn, mode="max-autotune-no-cudagraphs")`, every call under inductor's `freezing=freeze`
+    (compilation reads the setting when a new shape is first seen, which is during a call). freeze=False: the
+    compiled step reads the module's own weight tensors (no packed copy)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, freeze: bool = True):
         self.compiled = torch.compile(fn, mode="max-autotune-no-cudagraphs")
+        self.freeze = freeze
 
     def __call__(self, *args, **kwargs):
         import torch._inductor.config as inductor_config
 
-        with torch.no_grad(), inductor_config.patch(freezing=True):
+        with torch.no_grad(), inductor_config.patch(freezing=self.freeze):
             return self.compiled(*args, **kwargs)
 
 
@@ -57,9 +61,10 @@ def _check_compiler(device: torch.device) -> None:
                          "set replace_with_kernel_inject=false")
 
 
-def inject_kernels(module: nn.Module, device: torch.device) -> FrozenCompiledCall:
+def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True) -> FrozenCompiledCall:
     """Switch a HF generation model to the static KV cache, SDPA attention and the compiled decode step
-    (in place). Returns the compiled call `generate` will use. Raises ValueError for a module that is not
+    (in place). freeze=False (`set_empty_params=True`): compile without freezing, so the step holds no copy of
+    the weights. Returns the compiled call `generate` will use. Raises ValueError for a module that is not
     a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
     gen = getattr(module, "generation_config", None)
     hooks = ("generate", "get_compiled_call", "_prepare_static_cache")
@@ -77,7 +82,7 @@ def inject_kernels(module: nn.Module, device: torch.device) -> FrozenCompiledCal
     cc = CompileConfig(fullgraph=False, dynamic=False, mode="max-autotune-no-cudagraphs")
     cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
     gen.compile_config = cc
-    call = FrozenCompiledCall(module.__call__)
+    call = FrozenCompiledCall(module.__call__, freeze)
     module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
     module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
     return call
