@@ -54,6 +54,7 @@ def served_from_nvme(rank, world, nvme):
     torch.manual_seed(0)
     with zerospeed.zero.Init():
         model = transformers.LlamaForCausalLM(_config()).eval()
+    model.requires_grad_(False)  # as inference scripts often do: still partitioned (the serving RSS shows it)
     engine = zerospeed.init_inference(model, dtype=torch.float32, zero=zero)
     tokens = _generate(engine.module)
     serving, peak = rss_bytes() - base, rss_bytes("VmHWM:") - base

@@ -148,7 +148,9 @@ class InferenceEngine(nn.Module):
         every rank; each layer's weights are gathered (read from host memory or NVMe ahead of use with
         `offload_param`) just before its forward and freed after, so a rank holds about one layer at a time.
         With `checkpoint`: a meta model is partitioned as it is read (`inference/zero_load.py`: no rank holds
-        it whole); a materialised one is overwritten from the file, then partitioned."""
+        it whole); a materialised one is overwritten from the file, then partitioned. Parameters frozen by the
+        user (`requires_grad_(False)`) are set trainable first: zerospeed's ZeRO-3 keeps frozen parameters whole
+        on every rank, and serving computes no gradient."""
         clash = [name for name, on in (("tensor_parallel.tp_size > 1", config.tp_size > 1), ("dtype=torch.int8", config.int8),
                                         ("replace_with_kernel_inject", config.replace_with_kernel_inject),
                                         ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path))) if on]
@@ -171,6 +173,8 @@ class InferenceEngine(nn.Module):
         elif reader is not None:
             from .load import load_weights
             load_weights(model, reader)
+        for p in model.parameters():  # the ZeRO-3 engine keeps frozen parameters whole on every rank; serving
+            p.requires_grad_(True)      # takes no gradient, so every parameter is partitioned (as DeepSpeed's)
         ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
         if config.dtype is torch.bfloat16:
             ds["bf16"] = {"enabled": True}
