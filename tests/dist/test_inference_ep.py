@@ -5,7 +5,8 @@ at world 2 (ep 2) and world 4 (two expert groups of 2): each rank serves its own
 different lengths: the ranks of a group send each other different token counts), and gets the plain
 model's logits to 1e-5 absolute (dropless: every token reaches its k experts; the sum over routes runs in
 another order) and its greedy tokens exactly, holding half of each fused expert weight. Built on the meta
-device with `checkpoint`, each rank reads only its experts' rows. A model of `zerospeed.moe.layer.MoE`
+device with `checkpoint`, each rank reads only its experts' rows. With dtype=torch.int8 each rank quantizes its
+own experts (logits' cosine >= 0.999 with fp32). A model of `zerospeed.moe.layer.MoE`
 layers built with ep_size 2 equals the same layers at ep 1 holding every expert.
 """
 from __future__ import annotations
@@ -76,6 +77,11 @@ def served(rank, world, kind, path):
         split = loaded.module.get_submodule(engine.experts[0])
         out["meta_rows"] = torch.equal(split.gate_up_proj, full.gate_up_proj[lo:hi])
         out["meta_fp32"] = (loaded(ids, attention_mask=mask).logits - want).abs().max().item()
+        # int8: each rank quantizes its own experts, per expert and output row
+        q = zerospeed.init_inference(_model(kind), moe={"ep_size": 2}, dtype=torch.int8)
+        got = q(ids, attention_mask=mask).logits
+        out["int8_cos"] = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+        out["int8_experts"] = q.module.get_submodule(engine.experts[0]).num_local_experts
     return out
 
 
@@ -89,6 +95,7 @@ def test_expert_parallel_serving_matches_the_plain_model(kind, world, tmp_path):
         assert out["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], out
         assert out["fp32"] < 1e-5 and out["tokens"] and out["rows"], out
         assert out["meta_rows"] and out["meta_fp32"] < 1e-5, out
+        assert out["int8_cos"] >= 0.999 and out["int8_experts"] == E // 2, out
 
 
 def tp_and_ep(rank, world):

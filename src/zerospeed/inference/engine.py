@@ -73,6 +73,9 @@ class InferenceEngine(nn.Module):
             plan = inference_plan(model, config.injection_policy)  # a missing plan fails before any collective
         from .ep import expert_plan
         experts = expert_plan(model, config)  # pure: a bad ep fails before any collective
+        if config.int8:
+            from .quant import check_quantizable
+            check_quantizable(model)
         if config.injection_policy and config.replace_with_kernel_inject:
             raise ValueError("injection_policy and replace_with_kernel_inject=true are exclusive (as in DeepSpeed): "
                              "drop one")

@@ -1,7 +1,7 @@
 """int8 weight-only quantization for serving (`init_inference(model, dtype=torch.int8)`).
 
-Every linear layer's weight (`nn.Linear`, HF `Conv1D`, the tensor-parallel shards) and every embedding
-table becomes int8 with one symmetric scale per output channel (per row of an embedding, per vocabulary
+Every linear layer's weight (`nn.Linear`, HF `Conv1D`, the tensor-parallel shards), every embedding
+table and the fused experts of transformers' MoE blocks (per expert, `Int8Experts`) become int8 with one symmetric scale per output channel (per row of an embedding, per vocabulary
 entry of a tied lm_head): w ~= q * s, s = max|w_row| / 127, q = round(w / s) in [-127, 127] (LLM.int8()'s
 vector-wise quantization without the outlier split: Dettmers et al. 2022, §3.2). A tied embedding and
 lm_head share one int8 table. Norms, biases and position tables stay in the float dtype.
@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Matmul", "Int8Linear", "Int8Embedding", "quantize_int8", "quantize_rows", "select_kernel",
-           "weight_bytes"]
+__all__ = ["Int8Matmul", "Int8Linear", "Int8Embedding", "Int8Experts", "check_quantizable", "quantize_int8",
+           "quantize_rows", "select_kernel", "weight_bytes"]
+
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [rows, cols], scale float32 [rows]) with weight ~= q * scale[:, None], symmetric per row."""
@@ -86,6 +87,64 @@ class Int8Embedding(nn.Module):
         return rows * self.table.scale[ids].unsqueeze(-1).to(self.dtype)
 
 
+class Int8Experts(nn.Module):
+    """The fused experts of a MoE block (transformers' `gate_up_proj` [L, 2I, H] / `down_proj` [L, H, I] module, or
+    AutoEP's `ExpertParallelExperts` holding L of E experts) with int8 weights: per expert an `Int8Matmul` for
+    gate|up [2I, H] and one for down [H, I], each row with its own scale. `forward(hidden_states [T, H],
+    top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`: each expert runs once on exactly its tokens
+    (`moe.dropless.dropless_experts`, over the source's expert group when it had one)."""
+
+    def __init__(self, source: nn.Module):
+        super().__init__()
+        self.gate_up = nn.ModuleList(Int8Matmul.from_weight(w) for w in source.gate_up_proj.detach().unbind(0))
+        self.down = nn.ModuleList(Int8Matmul.from_weight(w) for w in source.down_proj.detach().unbind(0))
+        self.act_fn, self.num_experts = source.act_fn, source.num_experts
+        self.num_local_experts = len(self.gate_up)
+        self.ep_size, self.ep_rank = getattr(source, "ep_size", 1), getattr(source, "ep_rank", 0)
+        self.ep_group, self.logger = getattr(source, "ep_group", None), getattr(source, "logger", None)
+
+    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[i](x).chunk(2, dim=-1)
+        return self.down[i](self.act_fn(gate) * up)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        from functools import partial
+
+        from ..moe.dropless import dropless_experts
+
+        index = top_k_index.t()
+        index = torch.where(index < self.num_experts, index, -1)  # transformers' "no expert" index E
+        experts = [partial(self._expert, i) for i in range(self.num_local_experts)]
+        return dropless_experts(hidden_states, index, top_k_weights.t(), experts, self.num_experts, self.ep_group,
+                                self.ep_size, self.logger)
+
+    def extra_repr(self) -> str:
+        first = self.ep_rank * self.num_local_experts
+        return f"int8 experts {first}..{first + self.num_local_experts - 1} of {self.num_experts}"
+
+
+def _is_fused_experts(m: nn.Module) -> bool:
+    from ..moe.autoep import ExpertParallelExperts, fused_experts_problem
+
+    return isinstance(m, ExpertParallelExperts) or fused_experts_problem(m) is None
+
+
+def check_quantizable(model: nn.Module) -> None:
+    """Raise ValueError, before any change, when `model` has weights int8 would leave in float: a 3-D weight
+    outside a supported fused-experts module (naming the module types and why they are not supported)."""
+    from ..moe.autoep import fused_experts_problem
+
+    bad = {}
+    for name, module in model.named_modules():
+        if any(p.dim() >= 3 for p in module.parameters(recurse=False)) and not _is_fused_experts(module):
+            bad.setdefault(type(module).__name__, fused_experts_problem(module))
+    if bad:
+        shown = "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+        raise ValueError(f"dtype=torch.int8 quantizes linear layers, embeddings and transformers' fused experts; the "
+                         f"model has 3-D weights it would leave in float ({shown}). Serve it with dtype=torch.bfloat16 "
+                         "or torch.float32")
+
+
 def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None
                                          and m.weight.dim() == 2)
@@ -104,6 +163,10 @@ def quantize_int8(model: nn.Module, *, min_rows: int = 64) -> list[str]:
     for name, module in todo:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if getattr(module, "gate_up_proj", None) is not None and _is_fused_experts(module):
+            setattr(parent, child, Int8Experts(module))
+            done.append(name)
+            continue
         if isinstance(module, _ParallelLinear):
             if module.matmul_impl is None:
                 module.matmul_impl = Int8Matmul.from_weight(module.weight, transposed=module.transposed)
