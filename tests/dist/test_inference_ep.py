@@ -98,6 +98,25 @@ def test_expert_parallel_serving_matches_the_plain_model(kind, world, tmp_path):
         assert out["int8_cos"] >= 0.999 and out["int8_experts"] == E // 2, out
 
 
+def injected(rank, world):
+    """Kernel injection at ep 2: the compiled decode step around the eager expert dispatch; two generates of
+    the same shape (the second reuses the compiled step) give the plain model's tokens."""
+    import zerospeed
+
+    ids, mask = _prompts(rank)
+    ref = _model("mixtral")
+    engine = zerospeed.init_inference(_model("mixtral"), moe={"ep_size": 2}, dtype=torch.float32,
+                                      replace_with_kernel_inject=True)
+    with torch.no_grad():
+        want = _generate(ref, ids, mask)
+        return [torch.equal(_generate(engine.module, ids, mask), want) for _ in range(2)]
+
+
+def test_expert_parallel_with_kernel_injection():
+    for same in run_distributed(injected, 2, timeout=300):
+        assert same == [True, True], same
+
+
 def tp_and_ep(rank, world):
     """tp 2 x ep 2 at world 4: the attention split over tensor groups [0, 1] and [2, 3], the experts over the
     ranks of one tensor coordinate, [0, 2] and [1, 3]."""

@@ -238,14 +238,13 @@ def test_expert_parallel_bad_input():
     with pytest.raises(ValueError, match="ep_size=3 does not divide the 4 experts of model.layers.0.mlp"):
         zerospeed.init_inference(_tiny_mixtral(), ep_size=3, dtype=torch.float32)
     for kwargs, words in (({"save_mp_checkpoint_path": "unused"}, "save_mp_checkpoint_path"),
-                          ({"replace_with_kernel_inject": True}, "replace_with_kernel_inject"),
                           ({"zero": {"stage": 3}}, "zero stage 3")):
         with pytest.raises(ValueError, match=f"does not combine with {words}"):
             zerospeed.init_inference(_tiny_mixtral(), moe={"ep_size": 2}, dtype=torch.float32, **kwargs)
     model = _tiny_mixtral()
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError):
-        zerospeed.init_inference(model, moe={"ep_size": 2}, dtype=torch.float32, replace_with_kernel_inject=True)
+        zerospeed.init_inference(model, moe={"ep_size": 2}, dtype=torch.float32, save_mp_checkpoint_path="unused")
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing changed
 
 

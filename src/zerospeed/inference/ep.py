@@ -20,7 +20,10 @@ with its peers of the same tensor coordinate in the other tensor groups.
   expert group (without it its forward raises). Its capacity at eval is `eval_capacity_factor`, as in training.
 
 DeepSpeed 0.19.8 creates the groups but gives them only to its CUDA-only injected MoE kernels.
-Not combined yet (ValueError naming them): kernel injection, ZeRO-Inference, `save_mp_checkpoint_path`,
+With kernel injection the decode step is compiled around the experts: their dispatch (data-dependent token
+counts) runs eagerly between the compiled parts (`dropless_experts` is excluded from compilation).
+
+Not combined yet (ValueError naming them): ZeRO-Inference, `save_mp_checkpoint_path`,
 `moe.ep_mp_group` (expert tensor parallelism), a user's tp_group / mpu without `moe.ep_group`.
 """
 from __future__ import annotations
@@ -78,7 +81,6 @@ def expert_plan(model: nn.Module, config) -> ExpertPlan:
     tp = config.tensor_parallel
     clash = [name for name, on in (("tensor_parallel.tp_group or mpu without moe.ep_group",
                                      (tp.tp_group is not None or tp.mpu is not None) and moe.ep_group is None),
-                                    ("replace_with_kernel_inject", config.replace_with_kernel_inject),
                                     ("zero stage 3 (ZeRO-Inference)", config.zero.stage == 3),
                                     ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path)),
                                     ("moe.ep_mp_group", moe.ep_mp_group is not None)) if on]

@@ -53,6 +53,7 @@ def _rows_by_local_expert(per_source: Tensor) -> list[Tensor]:
             for e in range(num_local)]
 
 
+@torch.compiler.disable  # data-dependent by nature (the counts leave the device): a compiled caller runs it eagerly
 def dropless_experts(tokens: Tensor, experts_idx: Tensor, weights: Tensor, experts: nn.ModuleList, num_experts: int,
                      ep_group: dist.ProcessGroup | None, ep_size: int, logger=None, check=None) -> Tensor:
     """tokens [S, M], experts_idx [k, S] (the expert of each route, -1 where not kept), weights [k, S] fp32 ->
