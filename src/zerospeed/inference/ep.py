@@ -6,11 +6,6 @@ The experts of every MoE layer are spread over an "expert" group of N ranks (con
 experts, and the tokens are exchanged with all-to-all - the training path's layers, unchanged
 (DeepSpeed-MoE, Rajbhandari et al. 2022 §5: expert parallelism for inference):
 
-With tensor parallelism (`tensor_parallel.tp_size`, world = tp x ep x replicas) the expert groups are carved
-from the data-parallel ranks as in training (`ParallelMesh.build(tp=, ep=)`): the ranks of one tensor group
-hold the same experts and run the same tokens (the attention's all-reduce made them equal), each exchanging
-with its peers of the same tensor coordinate in the other tensor groups.
-
 * an unmodified Hugging Face MoE model (Mixtral, Qwen3-MoE, DeepSeek-V2/V3: transformers' fused experts) gets
   AutoEP's `moe.autoep.ExpertParallelExperts` in place of each block's experts: this rank's rows of the fused
   weights, run dropless on exactly the tokens routed to them, so the outputs equal the unmodified model's;
@@ -18,6 +13,12 @@ with its peers of the same tensor coordinate in the other tensor groups.
   weights (checked), or the model is built on the meta device and `checkpoint` gives each rank its rows only;
 * a model of `zerospeed.moe.layer.MoE` layers built with `ep_size=N` already holds its own experts: it gets the
   expert group (without it its forward raises). Its capacity at eval is `eval_capacity_factor`, as in training.
+
+The ranks of an expert group must run the same number of forwards (each is collective); their batches may
+differ. With tensor parallelism (`tensor_parallel.tp_size`, world = tp x ep x replicas) the expert groups are
+carved from the data-parallel ranks as in training (`ParallelMesh.build(tp=, ep=)`): the ranks of one tensor
+group hold the same experts and run the same tokens (the attention's all-reduce made them equal), each
+exchanging with its peers of the same tensor coordinate in the other tensor groups.
 
 DeepSpeed 0.19.8 creates the groups but gives them only to its CUDA-only injected MoE kernels.
 With kernel injection the decode step is compiled around the experts: their dispatch (data-dependent token
