@@ -6,7 +6,8 @@ different lengths: the ranks of a group send each other different token counts),
 model's logits to 1e-5 absolute (dropless: every token reaches its k experts; the sum over routes runs in
 another order) and its greedy tokens exactly, holding half of each fused expert weight. Built on the meta
 device with `checkpoint`, each rank reads only its experts' rows. With dtype=torch.int8 each rank quantizes its
-own experts (logits' cosine >= 0.999 with fp32). A model of `zerospeed.moe.layer.MoE`
+own experts (logits' cosine >= 0.999 with fp32). `save_mp_checkpoint_path` writes each expert rank's rows to
+a file of their own, which a meta model reloads at ep 2 and at ep 1. A model of `zerospeed.moe.layer.MoE`
 layers built with ep_size 2 equals the same layers at ep 1 holding every expert.
 """
 from __future__ import annotations
@@ -82,6 +83,17 @@ def served(rank, world, kind, path):
         got = q(ids, attention_mask=mask).logits
         out["int8_cos"] = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
         out["int8_experts"] = q.module.get_submodule(engine.experts[0]).num_local_experts
+        # save_mp_checkpoint_path: each expert rank's rows in a file of their own; reloaded at ep 2 and at ep 1
+        saved = f"{path}-mp"
+        zerospeed.init_inference(_model(kind), moe={"ep_size": 2}, dtype=torch.float32, save_mp_checkpoint_path=saved)
+        reloaded = []
+        for ep in (2, 1):
+            with torch.device("meta"):
+                meta = type(ref)(ref.config).eval()
+            again = zerospeed.init_inference(meta, moe={"ep_size": ep}, dtype=torch.float32, checkpoint=saved)
+            reloaded.append((again(ids, attention_mask=mask).logits - want).abs().max().item())
+        out["mp_reloaded"] = reloaded
+        out["mp_files"] = sorted(p.name for p in __import__("pathlib").Path(saved).iterdir())
     return out
 
 
@@ -96,6 +108,9 @@ def test_expert_parallel_serving_matches_the_plain_model(kind, world, tmp_path):
         assert out["fp32"] < 1e-5 and out["tokens"] and out["rows"], out
         assert out["meta_rows"] and out["meta_fp32"] < 1e-5, out
         assert out["int8_cos"] >= 0.999 and out["int8_experts"] == E // 2, out
+        assert max(out["mp_reloaded"]) < 1e-5, out
+        assert out["mp_files"] == ["ds_inference_config.json", "ep_00.safetensors", "ep_01.safetensors",
+                                   "non-tp.safetensors", "tp_00_00.safetensors"], out
 
 
 def injected(rank, world):

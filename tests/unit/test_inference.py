@@ -237,14 +237,14 @@ def test_expert_parallel_bad_input():
         zerospeed.init_inference(tiny_hf_llama(), moe={"ep_size": 2}, dtype=torch.float32)
     with pytest.raises(ValueError, match="ep_size=3 does not divide the 4 experts of model.layers.0.mlp"):
         zerospeed.init_inference(_tiny_mixtral(), ep_size=3, dtype=torch.float32)
-    for kwargs, words in (({"save_mp_checkpoint_path": "unused"}, "save_mp_checkpoint_path"),
-                          ({"zero": {"stage": 3}}, "zero stage 3")):
+    for moe, kwargs, words in (({"ep_size": 2, "ep_mp_group": "a group"}, {}, "moe.ep_mp_group"),
+                               ({"ep_size": 2}, {"zero": {"stage": 3}}, "zero stage 3")):
         with pytest.raises(ValueError, match=f"does not combine with {words}"):
-            zerospeed.init_inference(_tiny_mixtral(), moe={"ep_size": 2}, dtype=torch.float32, **kwargs)
+            zerospeed.init_inference(_tiny_mixtral(), moe=moe, dtype=torch.float32, **kwargs)
     model = _tiny_mixtral()
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError):
-        zerospeed.init_inference(model, moe={"ep_size": 2}, dtype=torch.float32, save_mp_checkpoint_path="unused")
+        zerospeed.init_inference(model, moe={"ep_size": 2}, dtype=torch.float32, zero={"stage": 3})
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing changed
 
 

@@ -128,7 +128,7 @@ class InferenceEngine(nn.Module):
                                  "recompute them: build it off the meta device or save them in the checkpoint")
         if config.save_mp_checkpoint_path:  # the float shards, before any quantization
             from .mp_checkpoint import save_mp_checkpoint
-            save_mp_checkpoint(model, config.save_mp_checkpoint_path, self.tp)
+            save_mp_checkpoint(model, config.save_mp_checkpoint_path, self.tp, self.ep)
         self.quantized: list[str] = []
         if config.int8:
             from .quant import quantize_int8

@@ -24,7 +24,9 @@ DeepSpeed 0.19.8 creates the groups but gives them only to its CUDA-only injecte
 With kernel injection the decode step is compiled around the experts: their dispatch (data-dependent token
 counts) runs eagerly between the compiled parts (`dropless_experts` is excluded from compilation).
 
-Not combined yet (ValueError naming them): ZeRO-Inference, `save_mp_checkpoint_path`,
+`save_mp_checkpoint_path` writes each expert rank's rows to a file of their own (`inference/mp_checkpoint.py`).
+
+Not combined yet (ValueError naming them): ZeRO-Inference,
 `moe.ep_mp_group` (expert tensor parallelism), a user's tp_group / mpu without `moe.ep_group`.
 """
 from __future__ import annotations
@@ -83,7 +85,6 @@ def expert_plan(model: nn.Module, config) -> ExpertPlan:
     clash = [name for name, on in (("tensor_parallel.tp_group or mpu without moe.ep_group",
                                      (tp.tp_group is not None or tp.mpu is not None) and moe.ep_group is None),
                                     ("zero stage 3 (ZeRO-Inference)", config.zero.stage == 3),
-                                    ("save_mp_checkpoint_path", bool(config.save_mp_checkpoint_path)),
                                     ("moe.ep_mp_group", moe.ep_mp_group is not None)) if on]
     if clash:
         raise ValueError(f"expert-parallel serving (moe.ep_size={ep}) does not combine with {', '.join(clash)} yet; "
