@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["open_checkpoint", "load_weights", "materialize", "SafetensorsReader", "StateDictReader"]
+__all__ = ["open_checkpoint", "load_weights", "materialize", "checkpoint_names", "lacking", "SafetensorsReader",
+           "StateDictReader"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -170,22 +171,36 @@ def _candidates(model: nn.Module, name: str) -> list[str]:
     return out
 
 
+def checkpoint_names(model: nn.Module, reader, named) -> dict[int, tuple[list[str], tuple[str, str] | None]]:
+    """{id(tensor): (its names among the (name, tensor) pairs `named`, (the name it is read under, the
+    checkpoint's name for it) or None when the checkpoint lacks it)}: a tensor shared under several names (a
+    tied lm_head) is found under any of them, each with or without the HF base-model prefix."""
+    available = reader.names()
+    groups: dict[int, list[str]] = {}
+    for name, t in named:
+        groups.setdefault(id(t), []).append(name)
+    return {key: (names, next(((n, c) for n in names for c in _candidates(model, n) if c in available), None))
+            for key, names in groups.items()}
+
+
+def lacking(missing: list[str], reader) -> ValueError:
+    """The error for parameters `missing` from the checkpoint of `reader`."""
+    shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+    return ValueError(f"the checkpoint lacks {len(missing)} parameters of the model ({shown}); it holds e.g. "
+                      f"{sorted(reader.names())[:4]}")
+
+
 def load_weights(model: nn.Module, reader) -> list[str]:
     """Copy every parameter and buffer of `model` (already allocated: `to_empty`) from `reader`,
     tensor-parallel shards as shards, converting dtypes. A tensor shared under several names (a tied lm_head)
     is read once under any of them. Returns the names of the buffers the checkpoint lacked, which are
     recomputed by the model's HF `_init_weights`. Raises ValueError listing the parameters it lacks."""
-    available = reader.names()
-    groups: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        groups.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    tensors = {id(t): t for _, t in named}
     params = {id(p) for p in model.parameters()}
     missing, unloaded_buffers = [], []
     with torch.no_grad():
-        for key, names in groups.items():
-            hit = next(((n, c) for n in names for c in _candidates(model, n) if c in available), None)
+        for key, (names, hit) in checkpoint_names(model, reader, named).items():
             if hit is None:
                 (missing if key in params else unloaded_buffers).append(names[0])
                 continue
@@ -197,9 +212,7 @@ def load_weights(model: nn.Module, reader) -> list[str]:
                                  f"model's {name} {tuple(target.shape)}: the checkpoint is for another model")
             target.copy_(value)
     if missing:
-        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
-        raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model ({shown}); it holds e.g. "
-                         f"{sorted(available)[:4]}")
+        raise lacking(missing, reader)
     init = getattr(model, "_init_weights", None)
     if unloaded_buffers and callable(init):
         for owner in sorted({n.rpartition(".")[0] for n in unloaded_buffers}):

@@ -25,33 +25,23 @@ def build_partitioned(model: nn.Module, reader, zero: dict, dtype: torch.dtype) 
     same model and checkpoint. Raises ValueError naming the parameters the checkpoint lacks (before any
     collective) and the buffers nothing can recompute."""
     from ..zero import Init
-    from .load import _candidates
+    from .load import checkpoint_names, lacking
 
-    available = reader.names()
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    stored: dict[int, str] = {}
-    missing = []
-    for key, names in groups.items():
-        hit = next((c for n in names for c in _candidates(model, n) if c in available), None)
-        if hit is None:
-            missing.append(names[0])
-        stored[key] = hit
+    matched = checkpoint_names(model, reader, model.named_parameters(remove_duplicate=False))
+    missing = [names[0] for names, hit in matched.values() if hit is None]
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model ({', '.join(missing[:6])}); it "
-                         f"holds e.g. {sorted(available)[:4]}")
+        raise lacking(missing, reader)
     _materialize_buffers(model, reader)
     remote = "nvme" if (zero.get("offload_param") or {}).get("device") == "nvme" else None
     reads_file = not dist.is_initialized() or dist.get_rank() == 0  # Init scatters group rank 0's value
     with Init(remote_device=remote, config_dict_or_path={"zero_optimization": zero} if remote else None), \
             torch.no_grad():
-        for key, names in groups.items():
+        for names, (_, stored) in matched.values():
             meta = model.get_parameter(names[0])
             if reads_file:
-                value = reader.read(stored[key]).to(dtype)
+                value = reader.read(stored).to(dtype)
                 if tuple(value.shape) != tuple(meta.shape):
-                    raise ValueError(f"checkpoint tensor {stored[key]} has shape {tuple(value.shape)}, the model's "
+                    raise ValueError(f"checkpoint tensor {stored} has shape {tuple(value.shape)}, the model's "
                                      f"{names[0]} {tuple(meta.shape)}: the checkpoint is for another model")
             else:
                 value = torch.empty(meta.shape, dtype=dtype)
