@@ -118,6 +118,25 @@ def test_zero_inference_from_a_checkpoint_never_holds_the_model(tmp_path):
                                                                             serving / weight_bytes)
 
 
+def wrong_checkpoint(rank, world, nvme, path):
+    """A meta model of another width than the checkpoint: every rank raises (none waits in a scatter)."""
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme}}
+    cfg = _config()
+    cfg.intermediate_size = 2048
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight has shape \(2816, 1024\), the model's .* \(2048, 1024\)"):
+        zerospeed.init_inference(model, dtype=torch.float32, zero=zero, checkpoint=path)
+    return True
+
+
+def test_zero_inference_checks_the_checkpoint_on_every_rank(tmp_path):
+    ckpt, nvme = tmp_path / "ckpt", tmp_path / "nvme"
+    nvme.mkdir()
+    run_distributed(reference, 1, str(ckpt), timeout=180)
+    assert run_distributed(wrong_checkpoint, 2, str(nvme), str(ckpt), timeout=120) == [True, True]
+
+
 def test_zero_inference_refuses_what_it_cannot_combine():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))

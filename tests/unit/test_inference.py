@@ -223,8 +223,13 @@ def test_moe_checkpoint_in_the_original_layout(tmp_path):
         model = type(ref)(ref.config).eval()
     engine = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path))
     loaded = type(ref).from_pretrained(tmp_path).eval()
+    from zerospeed.inference.hf_layout import converted
+    from zerospeed.inference.load import open_checkpoint
+
+    reader = converted(open_checkpoint(str(tmp_path)), loaded)
     for name, p in loaded.named_parameters():
         assert torch.equal(engine.module.get_parameter(name), p), name
+        assert reader.shape(name) == tuple(p.shape), name  # from the headers, as read
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(engine(ids).logits, ref(ids).logits)

@@ -63,6 +63,17 @@ class ConvertedReader:
     def names(self) -> set[str]:
         return set(self.plain) | set(self.fused)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of `name` as the model holds it (a fused tensor: [E, ...] of its stacked, joined sources)."""
+        if name in self.plain:
+            return self.base.shape(self.plain[name])
+        parts, concat = self.fused[name]
+        shapes = [list(self.base.shape(next(iter(p.values())))) for p in parts]
+        out = [len(parts[0])] + shapes[0]
+        if concat is not None:
+            out[concat] = sum(([len(parts[0])] + s)[concat] for s in shapes)
+        return tuple(out)
+
     def read(self, name: str, spec=None) -> torch.Tensor:
         if name in self.plain:
             return self.base.read(self.plain[name], spec)

@@ -55,6 +55,13 @@ class SafetensorsReader:
     def names(self) -> set[str]:
         return set(self.files)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of tensor `name`, from the file's header (no data read)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def read(self, name: str, spec=None) -> torch.Tensor:
         from safetensors import safe_open
 
@@ -83,6 +90,9 @@ class StateDictReader:
 
     def names(self) -> set[str]:
         return set(self.state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
 
     def read(self, name: str, spec=None) -> torch.Tensor:
         full = self.state[name]

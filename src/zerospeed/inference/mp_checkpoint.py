@@ -160,6 +160,16 @@ class MpShardsReader:
         whole, shards = self._bound()
         return whole.names() | shards.names() | (self._experts[0].names() if self._experts else set())
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape `read(name)` returns: this rank's part of a tp shard, every expert, or the whole tensor."""
+        whole, shards = self._bound()
+        if name in shards.files:
+            return shards.shape(name)
+        if self._experts and name in self._experts[0].files:
+            rows = [r.shape(name) for r in self._experts]
+            return (sum(r[0] for r in rows), *rows[0][1:])
+        return whole.shape(name)
+
     def read(self, name: str, spec=None) -> torch.Tensor:
         whole, shards = self._bound()
         if name in shards.files:
@@ -171,14 +181,10 @@ class MpShardsReader:
     def _expert_rows(self, name: str, spec) -> torch.Tensor:
         """Experts [lo, hi) of a fused expert tensor (all for spec None) from the expert files that hold them:
         file r holds rows [r L, (r + 1) L), so a run at another expert-parallel size reads across files."""
-        from safetensors import safe_open
-
         parts, start = [], 0
         lo, hi = spec if spec is not None else (0, None)
         for reader in self._experts:
-            with safe_open(str(reader.files[name]), framework="pt") as f:
-                rows = f.get_slice(name).get_shape()[0]
-            end = start + rows
+            end = start + reader.shape(name)[0]
             a, b = max(lo, start), end if hi is None else min(hi, end)
             if a < b:
                 parts.append(reader.read(name, (a - start, b - start)))

@@ -22,8 +22,8 @@ def build_partitioned(model: nn.Module, reader, zero: dict, dtype: torch.dtype) 
     `zero.Init` over the world (slices on NVMe when `zero["offload_param"]["device"] == "nvme"`), and every
     meta buffer by the checkpoint's value or the model's HF `_init_weights` (rotary `inv_freq`). A parameter
     shared under several names (a tied lm_head) stays one parameter. Collective: every rank calls it with the
-    same model and checkpoint. Raises ValueError naming the parameters the checkpoint lacks (before any
-    collective) and the buffers nothing can recompute."""
+    same model and checkpoint. Raises ValueError, on every rank before any collective, naming the parameters
+    the checkpoint lacks or holds in another shape, and the buffers nothing can recompute."""
     from ..zero import Init
     from .load import checkpoint_names, lacking
 
@@ -31,6 +31,11 @@ def build_partitioned(model: nn.Module, reader, zero: dict, dtype: torch.dtype) 
     missing = [names[0] for names, hit in matched.values() if hit is None]
     if missing:
         raise lacking(missing, reader)
+    for names, (_, stored) in matched.values():  # every rank, from the headers: none is left waiting in a scatter
+        want = tuple(model.get_parameter(names[0]).shape)
+        if tuple(reader.shape(stored)) != want:
+            raise ValueError(f"checkpoint tensor {stored} has shape {tuple(reader.shape(stored))}, the model's "
+                             f"{names[0]} {want}: the checkpoint is for another model")
     _materialize_buffers(model, reader)
     remote = "nvme" if (zero.get("offload_param") or {}).get("device") == "nvme" else None
     reads_file = not dist.is_initialized() or dist.get_rank() == 0  # Init scatters group rank 0's value
@@ -40,9 +45,6 @@ def build_partitioned(model: nn.Module, reader, zero: dict, dtype: torch.dtype) 
             meta = model.get_parameter(names[0])
             if reads_file:
                 value = reader.read(stored).to(dtype)
-                if tuple(value.shape) != tuple(meta.shape):
-                    raise ValueError(f"checkpoint tensor {stored} has shape {tuple(value.shape)}, the model's "
-                                     f"{names[0]} {tuple(meta.shape)}: the checkpoint is for another model")
             else:
                 value = torch.empty(meta.shape, dtype=dtype)
             param = nn.Parameter(value)  # trainable, as a plain build: ZeRO-3 swaps trainable parameters
