@@ -129,12 +129,18 @@ def test_quantize_rows_error_bound():
 def test_kernel_injection_generates_the_plain_models_tokens(arch):
     """Static KV cache + compiled decode step: left-padded prompts of different lengths give the plain
     model's greedy tokens exactly (fp32), on two calls with different prompts of the same shape (the second
-    reuses the first call's cache, reset, and its compiled step) and on a longer third call (a larger cache)."""
+    reuses the first call's cache, reset, and its compiled step), on a longer third call (a larger cache), then
+    on a one-token call (time to first token) and a shorter one, which compile nothing."""
+    from torch._dynamo.utils import counters
+
     ref = BUILD[arch]().eval()
     engine = zerospeed.init_inference(BUILD[arch]().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
     assert engine.module.generation_config.cache_implementation == "static"
-    for seed, new in ((3, 12), (4, 12), (5, 20)):
-        ids = _ids(batch=3, length=10, seed=seed)
+    graphs = None
+    for seed, new in ((3, 12), (4, 12), (5, 20), (6, 1), (7, 12)):
+        if new == 1:  # time to first token and a shorter call after the longest: HF keeps the larger static cache,
+            graphs = counters["stats"]["unique_graphs"]  # so nothing recompiles (a one-token generate never runs
+        ids = _ids(batch=3, length=10, seed=seed)  # the decode step), and the tokens are still the plain model's
         mask = torch.ones_like(ids)
         mask[0, :4] = 0
         mask[2, :2] = 0
@@ -144,6 +150,7 @@ def test_kernel_injection_generates_the_plain_models_tokens(arch):
             want = ref.generate(ids, **kw)
             got = engine.module.generate(ids, **kw)
         assert torch.equal(got, want), (seed, got, want)
+    assert counters["stats"]["unique_graphs"] == graphs, "a shorter generate after a longer one recompiled"
 
 
 def test_set_empty_params_compiles_over_the_models_own_weights():
@@ -198,6 +205,42 @@ def test_config_file_and_checkpoint_json(tmp_path):
                 assert torch.equal(got, want)
             else:
                 assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+class _Scaled(torch.nn.Module):
+    """Not a HF model: no `_init_weights` to recompute a buffer a checkpoint lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("zero", [None, {"stage": 3}])
+def test_meta_model_without_init_weights_needs_its_buffers_in_the_checkpoint(tmp_path, zero):
+    """A meta-device model whose checkpoint lacks a buffer, and which cannot recompute it (no HF
+    `_init_weights`): a ValueError naming the buffer, with and without ZeRO-Inference; with the buffer saved
+    it serves the plain model's outputs exactly."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = _Scaled()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "lacks.safetensors"))
+    save_file({"scale": ref.scale, **ref.state_dict()}, str(tmp_path / "full.safetensors"))
+    kw = {"zero": zero} if zero else {}
+    with torch.device("meta"):
+        model = _Scaled()
+    with pytest.raises(ValueError, match=r"lacks the buffers \['scale'\] .* cannot recompute"):
+        zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "lacks.safetensors"), **kw)
+    with torch.device("meta"):
+        model = _Scaled()
+    engine = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "full.safetensors"), **kw)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(engine(x), ref(x))
 
 
 def _tiny_mixtral(seed: int = 0):

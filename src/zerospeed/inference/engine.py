@@ -122,10 +122,7 @@ class InferenceEngine(nn.Module):
             from .load import load_weights
             if hasattr(reader, "bind"):  # save_mp_checkpoint_path's files: this rank's own
                 reader.bind(self.tp.rank, self.tp.size)
-            unloaded = load_weights(model, reader)
-            if meta and unloaded and not callable(getattr(model, "_init_weights", None)):
-                raise ValueError(f"the checkpoint lacks the buffers {unloaded[:6]} and the model (not a HF model) cannot "
-                                 "recompute them: build it off the meta device or save them in the checkpoint")
+            load_weights(model, reader, buffers_required=meta)
         if config.save_mp_checkpoint_path:  # the float shards, before any quantization
             from .mp_checkpoint import save_mp_checkpoint
             save_mp_checkpoint(model, config.save_mp_checkpoint_path, self.tp, self.ep)

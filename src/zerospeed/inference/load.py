@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["open_checkpoint", "load_weights", "materialize", "checkpoint_names", "lacking", "SafetensorsReader",
+__all__ = ["open_checkpoint", "load_weights", "recompute_buffers", "materialize", "checkpoint_names", "lacking", "SafetensorsReader",
            "StateDictReader"]
 
 INDEX = "model.safetensors.index.json"
@@ -200,11 +200,12 @@ def lacking(missing: list[str], reader) -> ValueError:
                       f"{sorted(reader.names())[:4]}")
 
 
-def load_weights(model: nn.Module, reader) -> list[str]:
+def load_weights(model: nn.Module, reader, buffers_required: bool = False) -> list[str]:
     """Copy every parameter and buffer of `model` (already allocated: `to_empty`) from `reader`,
     tensor-parallel shards as shards, converting dtypes. A tensor shared under several names (a tied lm_head)
-    is read once under any of them. Returns the names of the buffers the checkpoint lacked, which are
-    recomputed by the model's HF `_init_weights`. Raises ValueError listing the parameters it lacks."""
+    is read once under any of them. The buffers the checkpoint lacks are recomputed (`recompute_buffers`;
+    buffers_required: they hold no value yet, the model was built on the meta device); their names are
+    returned. Raises ValueError listing the parameters it lacks."""
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     tensors = {id(t): t for _, t in named}
     params = {id(p) for p in model.parameters()}
@@ -223,13 +224,25 @@ def load_weights(model: nn.Module, reader) -> list[str]:
             target.copy_(value)
     if missing:
         raise lacking(missing, reader)
-    init = getattr(model, "_init_weights", None)
-    if unloaded_buffers and callable(init):
-        for owner in sorted({n.rpartition(".")[0] for n in unloaded_buffers}):
-            module = model.get_submodule(owner) if owner else model
-            loaded = {k: p.detach().clone() for k, p in module.named_parameters(recurse=False)}
-            with torch.no_grad():
-                init(module)  # HF's initialiser recomputes e.g. rotary inv_freq; loaded weights are put back
-                for k, v in loaded.items():
-                    getattr(module, k).copy_(v)
+    recompute_buffers(model, unloaded_buffers, buffers_required)
     return unloaded_buffers
+
+
+def recompute_buffers(model: nn.Module, names: list[str], required: bool) -> None:
+    """Recompute the buffers `names` a checkpoint lacked (e.g. rotary `inv_freq`) with the model's HF
+    `_init_weights`, run on each owning module; the module's parameters are put back as they were. A model
+    without `_init_weights` keeps its buffers, unless `required` (they hold no value: a meta-device build),
+    which raises ValueError naming them."""
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        if names and required:
+            raise ValueError(f"the checkpoint lacks the buffers {names[:6]} and the model (not a HF model) cannot "
+                             "recompute them: build it off the meta device or save them in the checkpoint")
+        return
+    for owner in sorted({n.rpartition(".")[0] for n in names}):
+        module = model.get_submodule(owner) if owner else model
+        kept = {k: p.detach().clone() for k, p in module.named_parameters(recurse=False)}
+        with torch.no_grad():
+            init(module)
+            for k, v in kept.items():
+                getattr(module, k).copy_(v)

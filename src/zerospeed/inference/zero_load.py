@@ -56,11 +56,11 @@ def build_partitioned(model: nn.Module, reader, zero: dict, dtype: torch.dtype) 
 
 
 def _materialize_buffers(model: nn.Module, reader) -> None:
-    """Every meta buffer: the checkpoint's value, else recomputed by the model's HF `_init_weights`."""
-    from .load import _candidates
+    """Every meta buffer: the checkpoint's value, else recomputed (`load.recompute_buffers`)."""
+    from .load import _candidates, recompute_buffers
 
     available = reader.names()
-    redo = set()
+    lacked = []
     for name, buf in list(model.named_buffers()):
         if not buf.is_meta:
             continue
@@ -69,10 +69,5 @@ def _materialize_buffers(model: nn.Module, reader) -> None:
         hit = next((c for c in _candidates(model, name) if c in available), None)
         module._buffers[attr] = reader.read(hit).to(buf.dtype) if hit else torch.empty(buf.shape, dtype=buf.dtype)
         if hit is None:
-            redo.add(owner)
-    init = getattr(model, "_init_weights", None)
-    if redo and not callable(init):
-        raise ValueError(f"the checkpoint lacks buffers of {sorted(redo)[:6]} and the model (not a HF model) cannot "
-                         "recompute them: build it off the meta device or save them in the checkpoint")
-    for owner in sorted(redo):  # HF's initialiser recomputes e.g. rotary inv_freq (meta parameters stay meta)
-        init(model.get_submodule(owner) if owner else model)
+            lacked.append(name)
+    recompute_buffers(model, lacked, required=True)  # meta parameters stay meta under HF's initialiser
