@@ -9,13 +9,15 @@ The model: `transformers.GPT2LMHeadModel` built from its config after `torch.man
 download), `.eval()`. The system wraps it (`wrap`), then, in this order:
 
 1. warm-up: one `generate` with the measured shapes (kernel injection compiles its decode step here);
-2. prefill (TTFT): median of 3 forwards of the prompt, `module(input_ids, attention_mask, use_cache=True,
-   logits_to_keep=1)` - the work `generate` does before its first token - in every system alike;
+2. prefill (TTFT): median of `PREFILL_SAMPLES` (5) `generate(max_new_tokens=1)` calls - what a user waits for the
+   first token, through each system's own path (kernel injection: its static cache, kept from the warm-up at the
+   longer length, so no recompile; the one-token generate never runs the compiled decode step);
 3. `--inner` timed `generate(max_new_tokens=N, min_new_tokens=N)` calls, greedy, pad_token_id 0, attention mask of
    ones: exactly N tokens each.
 
 Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
-token ids of the last call. `measure_bandwidth` (run by the parent in a `python -c` process of its own) gives the
+token ids of the last call, and the read bandwidth measured at the end of the launch (`read_probe`, 2 threads, rank
+0, after the peak RSS is read): the bound under the launch's own conditions. `measure_bandwidth` (run by the parent in a `python -c` process of its own) gives the
 machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's weight shapes.
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ SYSTEMS = {
     "deepspeed-fp32": ("deepspeed", "fp32", False, 1),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+PREFILL_SAMPLES = 5  # generate(max_new_tokens=1) calls per launch for the time to first token (median)
 
 
 def vm_hwm_bytes() -> int:
@@ -138,14 +141,16 @@ def run(args, world: int) -> dict:
 
     def prefill():
         _barrier()
-        with torch.no_grad():
-            t = time.perf_counter()
-            module(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-            return time.perf_counter() - t
+        t = time.perf_counter()
+        out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        wall = time.perf_counter() - t
+        if out.shape != (args.batch, args.prompt + 1):
+            raise RuntimeError(f"generate(max_new_tokens=1) returned shape {tuple(out.shape)}")
+        return wall
 
     warmup_s, _, _ = generate()
     first_gen_at = time.time()
-    prefill_s = [prefill() for _ in range(3)]
+    prefill_s = [prefill() for _ in range(PREFILL_SAMPLES)]
     gen_s, gen_cpu_s, out = [], [], None
     for _ in range(args.inner):
         wall, cpu, out = generate()
@@ -160,6 +165,12 @@ def run(args, world: int) -> dict:
         dist.all_gather_object(gathered, per_rank[0])
         per_rank = gathered
     del keep
+    launch_read = None
+    if int(os.environ.get("RANK", "0")) == 0:  # the bound under this launch's conditions (after the peak RSS is read)
+        torch.set_num_threads(2)                # as the run's own probes; the other rank waits at the barrier
+        launch_read = statistics.median(read_probe())
+        torch.set_num_threads(threads_after_setup)
+    _barrier()
     return {
         "status": "ok", "n_params": n_params, "threads_after_setup": threads_after_setup, "setup_s": setup_s, "warmup_s": warmup_s,
         "prefill_s": prefill_s, "gen_s": gen_s, "gen_cpu_s": gen_cpu_s,
@@ -168,12 +179,26 @@ def run(args, world: int) -> dict:
         "setup_rss_bytes": [r["setup_rss_bytes"] for r in per_rank],
         "weight_bytes": [r["weight_bytes"] for r in per_rank],
         "wpe_bytes": [r["wpe_bytes"] for r in per_rank],
+        "launch_read_gbs": launch_read,
         "launch_to_first_generate_s": first_gen_at - (args.launch_time or _T_PROCESS),
         "tokens": out[:, args.prompt:].tolist(),
     }
 
 
 # -- the machine's bandwidth (the parent runs this in a process of its own) ------------------------------------------
+def read_probe(trials: int = 7) -> list[float]:
+    """GB/s (1e9 B/s) of each of `trials` `x.sum()` over a 512 MiB fp32 tensor (after one untimed), at the current
+    thread count: the machine's read bandwidth."""
+    x = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    rates = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        x.sum()
+        rates.append(x.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return rates
+
+
 def measure_bandwidth(models: list[str], threads: int = 2, trials: int = 7) -> dict:
     """Read bandwidth: median of `trials` `x.sum()` over a 512 MiB fp32 tensor, GB/s (1e9 B/s). Eager fp32 GEMV rate
     per model: `F.linear` of a [1, in] vector over every weight matrix of that GPT-2 (per block c_attn [3d, d],
@@ -183,16 +208,8 @@ def measure_bandwidth(models: list[str], threads: int = 2, trials: int = 7) -> d
 
     torch.set_num_threads(threads)
     out = {"threads": threads, "trials": trials}
-    x = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    out["read_gbs"] = x.numel() * 4 / statistics.median(times) / 1e9
-    out["read_gbs_all"] = [x.numel() * 4 / s / 1e9 for s in times]
-    del x
+    out["read_gbs_all"] = read_probe(trials)
+    out["read_gbs"] = statistics.median(out["read_gbs_all"])
     out["gemv_gbs"] = {}
     for name in models:
         d, layers = MODELS[name]["n_embd"], MODELS[name]["n_layer"]

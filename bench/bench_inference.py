@@ -19,8 +19,8 @@ download. Systems, each (model, batch, system) its own process (`bench/_inferenc
 
 Prompt: `--prompt` random token ids (fixed seed), batch `--batches`, greedy, exactly `--new-tokens` tokens per call
 (min_new_tokens = max_new_tokens), pad_token_id 0, attention mask of ones. Per launch: one warm-up generate of the
-measured shapes (compiles the injected decode step), the prefill (TTFT) as the median of 3 forwards of the prompt,
-then `--inner` timed generates. World 1: 2 threads; world 2: 1 thread per rank. The machine's read bandwidth and
+measured shapes (compiles the injected decode step), the prefill (TTFT) as the median of 5 `generate(max_new_tokens=1)`
+calls, then `--inner` timed generates. World 1: 2 threads; world 2: 1 thread per rank. The machine's read bandwidth and
 eager GEMV rate are measured before and after the systems, each in a process of its own. Repeats are interleaved
 (the system order rotates by one per repeat); the table shows medians. Writes
 bench/results/bench_inference_<stamp>.{md,json} and the launch logs under bench/results/logs_inference_<stamp>/.
@@ -190,6 +190,13 @@ def step_bytes(run: dict) -> float:
     return float(sum(w - p for w, p in zip(run["weight_bytes"], run["wpe_bytes"])))
 
 
+def of_own_bound(run: dict) -> float | None:
+    """Decode tok/s of one launch over its own bound: B x the read bandwidth measured at the end of that launch /
+    bytes per decode step. None for a launch without that measurement (before session 22) or a decode rate."""
+    rate, gbs = decode_tps(run), run.get("launch_read_gbs")
+    return rate * step_bytes(run) / (run["batch"] * gbs * 1e9) if rate and gbs else None
+
+
 def read_bw(saved: dict) -> float | None:
     """The bound's bandwidth: the higher of the before / after measurements (GB/s)."""
     bws = [b["read_gbs"] for b in (saved.get("bw_before"), saved.get("bw_after")) if b and b.get("status") == "ok"]
@@ -228,7 +235,13 @@ def aggregate(runs: list[dict], bw: float | None) -> list[dict]:
                 world_size=first["world_size"], n_params=first["n_params"], tokens=first["tokens"])
             if bw:
                 row["bound_tps"] = batch * bw * 1e9 / row["step_bytes"]
-                row["of_bound"] = row["decode_tps"] / row["bound_tps"] if valid else None
+                row["of_bound_run"] = row["decode_tps"] / row["bound_tps"] if valid else None
+                row["of_bound"] = row["of_bound_run"]
+            own = [of_own_bound(r) for r in ok]
+            own = [x for x in own if x is not None]
+            if own:  # each launch against the bandwidth measured at its end: the same neighbours, the same minute
+                row["of_bound"] = statistics.median(own)
+                row["launch_read_gbs"] = statistics.median(r["launch_read_gbs"] for r in ok if r.get("launch_read_gbs"))
             if len(valid) < len(rates):
                 row["note"] = (f"{len(rates) - len(valid)} of {len(rates)} launches: prefill >= generate (no decode "
                                "rate: the machine was busy)")
@@ -336,6 +349,15 @@ def agreement_lines(rows: list[dict]) -> str:
     return "; ".join(out)
 
 
+def _launch_bw(rows: list[dict]) -> str:
+    """The spread of the launches' own bandwidth probes, when the run has them."""
+    gbs = [r["launch_read_gbs"] for r in rows if r.get("launch_read_gbs")]
+    if not gbs:
+        return ""
+    return (f", or each launch's own, measured at its end ({min(gbs):.1f}-{max(gbs):.1f} GB/s over the rows), for "
+            "the fraction of bound")
+
+
 def _bw_line(label: str, b: dict | None) -> str:
     if not b:
         return f"{label}: not measured"
@@ -349,15 +371,19 @@ def _bw_line(label: str, b: dict | None) -> str:
 
 NOTES = (
     "decode tok/s = B x (N - 1) / (generate(N) - prefill), medians over the `inner` timed generate calls of a launch "
-    "and the prefill's 3 forwards, then the median over repeats (N = new tokens; the first token comes from the "
+    "and the prefill's 5 calls, then the median over repeats (N = new tokens; the first token comes from the "
     "prefill). x HF fp32 / x HF bf16: decode tok/s over hf-fp32's / hf-bf16's of the same model and batch (the latter "
-    "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, the bytes "
+    "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, per launch with the "
+    "bandwidth measured at the end of that launch (x.sum() over 512 MiB, 2 threads, rank 0; since session 22: the "
+    "run's before / after probes spread 33-48 GB/s within 10 minutes), median over repeats (runs without it: the "
+    "higher of the run's two probes); the bytes "
     "being every parameter and buffer of the served module once (`weight_bytes`, the tied wte once, as the lm_head's "
     "matrix) less the position table, summed over the ranks for tp 2 (both ranks read at once from the one memory); "
     "KV-cache and activation traffic are not counted, and inductor's frozen, prepacked copy of the weights (read "
-    "instead of the originals) has their size. prefill s (TTFT): median forward of the prompt, `module(input_ids, "
-    "attention_mask, use_cache=True, logits_to_keep=1)`, eager in every system (injection compiles the decode step "
-    "only). weight MB/rank: `zerospeed.inference.quant.weight_bytes(engine.module)` (params + buffers, shared "
+    "instead of the originals) has their size. prefill s (TTFT): median of 5 `generate(max_new_tokens=1)` calls of "
+    "a launch (since session 22; a forward `module(input_ids, attention_mask, use_cache=True, logits_to_keep=1)` "
+    "before), each system through its own path (injection: its static cache from the warm-up, no recompile: the "
+    "one-token generate never runs the compiled decode step), then the median over repeats. weight MB/rank: `zerospeed.inference.quant.weight_bytes(engine.module)` (params + buffers, shared "
     "storages once; 1 MB = 1e6 B), the larger rank; it does not see inductor's frozen copy of the weights, which the "
     "peak RSS does. peak RSS MB/rank: VmHWM of the larger rank (python, torch, transformers and, for DeepSpeed, its "
     "import included), median over repeats. compile/warm-up s: the first, untimed generate of the first repeat "
@@ -379,7 +405,7 @@ def report(saved: dict, base: Path) -> str:
               f"{saved['cpu']}; 1-min load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f}; "
               f"{saved['elapsed_s'] / 60:.1f} min in all. zerospeed: {saved['zerospeed_source']}.")
     bw_text = (f"{_bw_line('Bandwidth before', saved.get('bw_before'))}.  \n{_bw_line('after', saved.get('bw_after'))}.  \n"
-               f"The bound uses the higher read bandwidth: {_f(bw, '.1f')} GB/s.")
+               f"The bound uses the higher read bandwidth: {_f(bw, '.1f')} GB/s" + _launch_bw(rows) + ".")
     slow = ""
     if a.get("slow_new_tokens"):
         slow = (f"\n† hf-bf16 generates {a['slow_new_tokens']} tokens per call instead of {a['new_tokens']} "
