@@ -127,6 +127,7 @@ def injected(rank, world):
         return [torch.equal(_generate(engine.module, ids, mask), want) for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_expert_parallel_with_kernel_injection():
     for same in run_distributed(injected, 2, timeout=300):
         assert same == [True, True], same

@@ -94,6 +94,7 @@ def served_from_checkpoint(rank, world, nvme, path):
     return tokens, peak, serving
 
 
+@pytest.mark.slow
 def test_zero_inference_streams_the_weights_from_nvme(tmp_path):
     # the plain model in a process of its own: 619 MB freed in pytest's process would stay in its heap
     (want, weight_bytes), = run_distributed(reference, 1, timeout=120)
@@ -103,6 +104,7 @@ def test_zero_inference_streams_the_weights_from_nvme(tmp_path):
         assert disk >= weight_bytes // 2  # this rank's half of the weights is on NVMe
 
 
+@pytest.mark.slow
 def test_zero_inference_from_a_checkpoint_never_holds_the_model(tmp_path):
     """A meta Llama served from its safetensors checkpoint with the shards on NVMe: the plain model's tokens;
     peak RSS over the process's own under 0.4 x the weights (each rank reads one tensor at a time and keeps
@@ -130,6 +132,7 @@ def wrong_checkpoint(rank, world, nvme, path):
     return True
 
 
+@pytest.mark.slow
 def test_zero_inference_checks_the_checkpoint_on_every_rank(tmp_path):
     ckpt, nvme = tmp_path / "ckpt", tmp_path / "nvme"
     nvme.mkdir()

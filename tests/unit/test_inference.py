@@ -231,16 +231,22 @@ def test_meta_model_without_init_weights_needs_its_buffers_in_the_checkpoint(tmp
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(tmp_path / "lacks.safetensors"))
     save_file({"scale": ref.scale, **ref.state_dict()}, str(tmp_path / "full.safetensors"))
     kw = {"zero": zero} if zero else {}
-    with torch.device("meta"):
-        model = _Scaled()
-    with pytest.raises(ValueError, match=r"lacks the buffers \['scale'\] .* cannot recompute"):
-        zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "lacks.safetensors"), **kw)
-    with torch.device("meta"):
-        model = _Scaled()
-    engine = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "full.safetensors"), **kw)
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        assert torch.equal(engine(x), ref(x))
+    had_group = torch.distributed.is_initialized()
+    try:
+        with torch.device("meta"):
+            model = _Scaled()
+        with pytest.raises(ValueError, match=r"lacks the buffers \['scale'\] .* cannot recompute"):
+            zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "lacks.safetensors"), **kw)
+        with torch.device("meta"):
+            model = _Scaled()
+        engine = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=str(tmp_path / "full.safetensors"),
+                                          **kw)
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            assert torch.equal(engine(x), ref(x))
+    finally:  # ZeRO-Inference starts a world-1 process group (as DeepSpeed's initialize): later tests need none
+        if torch.distributed.is_initialized() and not had_group:
+            torch.distributed.destroy_process_group()
 
 
 def _tiny_mixtral(seed: int = 0):
