@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["open_checkpoint", "load_weights", "recompute_buffers", "materialize", "checkpoint_names", "lacking", "SafetensorsReader",
-           "StateDictReader"]
+__all__ = ["open_checkpoint", "load_weights", "recompute_buffers", "materialize", "checkpoint_names", "lacking",
+           "SafetensorsReader", "StateDictReader"]
 
 INDEX = "model.safetensors.index.json"
 
