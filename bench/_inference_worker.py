@@ -17,8 +17,9 @@ download), `.eval()`. The system wraps it (`wrap`), then, in this order:
 
 Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
 token ids of the last call, and the read bandwidth measured at the end of the launch (`read_probe`, 2 threads, rank
-0, after the peak RSS is read): the bound under the launch's own conditions. `measure_bandwidth` (run by the parent in a `python -c` process of its own) gives the
-machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's weight shapes.
+0, after the peak RSS is read): the bound under the launch's own conditions. `measure_bandwidth` (run by the parent
+in a `python -c` process of its own) gives the machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's
+weight shapes.
 """
 from __future__ import annotations
 
@@ -127,9 +128,9 @@ def run(args, world: int) -> dict:
     gen = torch.Generator().manual_seed(args.prompt_seed)
     ids = torch.randint(0, VOCAB, (args.batch, args.prompt), generator=gen)
     mask = torch.ones_like(ids)
-    n = args.new_tokens
 
-    def generate():
+    def generate(n: int = args.new_tokens):
+        """Exactly n new tokens (min_new_tokens = n): (wall s, CPU s, the ids)."""
         _barrier()
         t, c = time.perf_counter(), time.process_time()
         out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
@@ -139,18 +140,9 @@ def run(args, world: int) -> dict:
             raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {(args.batch, args.prompt + n)}")
         return wall, cpu, out
 
-    def prefill():
-        _barrier()
-        t = time.perf_counter()
-        out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        wall = time.perf_counter() - t
-        if out.shape != (args.batch, args.prompt + 1):
-            raise RuntimeError(f"generate(max_new_tokens=1) returned shape {tuple(out.shape)}")
-        return wall
-
     warmup_s, _, _ = generate()
     first_gen_at = time.time()
-    prefill_s = [prefill() for _ in range(PREFILL_SAMPLES)]
+    prefill_s = [generate(1)[0] for _ in range(PREFILL_SAMPLES)]  # time to first token
     gen_s, gen_cpu_s, out = [], [], None
     for _ in range(args.inner):
         wall, cpu, out = generate()

@@ -235,10 +235,8 @@ def aggregate(runs: list[dict], bw: float | None) -> list[dict]:
                 world_size=first["world_size"], n_params=first["n_params"], tokens=first["tokens"])
             if bw:
                 row["bound_tps"] = batch * bw * 1e9 / row["step_bytes"]
-                row["of_bound_run"] = row["decode_tps"] / row["bound_tps"] if valid else None
-                row["of_bound"] = row["of_bound_run"]
-            own = [of_own_bound(r) for r in ok]
-            own = [x for x in own if x is not None]
+                row["of_bound_run"] = row["of_bound"] = row["decode_tps"] / row["bound_tps"] if valid else None
+            own = [x for x in map(of_own_bound, ok) if x is not None]
             if own:  # each launch against the bandwidth measured at its end: the same neighbours, the same minute
                 row["of_bound"] = statistics.median(own)
                 row["launch_read_gbs"] = statistics.median(r["launch_read_gbs"] for r in ok if r.get("launch_read_gbs"))
@@ -373,9 +371,9 @@ NOTES = (
     "decode tok/s = B x (N - 1) / (generate(N) - prefill), medians over the `inner` timed generate calls of a launch "
     "and the prefill's 5 calls, then the median over repeats (N = new tokens; the first token comes from the "
     "prefill). x HF fp32 / x HF bf16: decode tok/s over hf-fp32's / hf-bf16's of the same model and batch (the latter "
-    "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, per launch with the "
-    "bandwidth measured at the end of that launch (x.sum() over 512 MiB, 2 threads, rank 0; since session 22: the "
-    "run's before / after probes spread 33-48 GB/s within 10 minutes), median over repeats (runs without it: the "
+    "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, per "
+    "launch with the bandwidth measured at the end of that launch (x.sum() over 512 MiB, 2 threads, rank 0; "
+    "since session 22: the run's before / after probes spread 33-48 GB/s within 10 minutes), median over repeats (runs without it: the "
     "higher of the run's two probes); the bytes "
     "being every parameter and buffer of the served module once (`weight_bytes`, the tied wte once, as the lm_head's "
     "matrix) less the position table, summed over the ranks for tp 2 (both ranks read at once from the one memory); "
@@ -383,7 +381,8 @@ NOTES = (
     "instead of the originals) has their size. prefill s (TTFT): median of 5 `generate(max_new_tokens=1)` calls of "
     "a launch (since session 22; a forward `module(input_ids, attention_mask, use_cache=True, logits_to_keep=1)` "
     "before), each system through its own path (injection: its static cache from the warm-up, no recompile: the "
-    "one-token generate never runs the compiled decode step), then the median over repeats. weight MB/rank: `zerospeed.inference.quant.weight_bytes(engine.module)` (params + buffers, shared "
+    "one-token generate never runs the compiled decode step), then the median over repeats. weight MB/rank: "
+    "`zerospeed.inference.quant.weight_bytes(engine.module)` (params + buffers, shared "
     "storages once; 1 MB = 1e6 B), the larger rank; it does not see inductor's frozen copy of the weights, which the "
     "peak RSS does. peak RSS MB/rank: VmHWM of the larger rank (python, torch, transformers and, for DeepSpeed, its "
     "import included), median over repeats. compile/warm-up s: the first, untimed generate of the first repeat "
