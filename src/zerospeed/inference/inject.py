@@ -18,8 +18,8 @@ device:
   model's) compiles without freezing: the step reads the model's tensors, no copy;
 * the per-token overhead around the kernels is cut twice (`DECODE_COMPILE_OPTIONS`, `FrozenCompiledCall`):
   inductor's C++ wrapper (`cpp_wrapper`) launches the step's ~60 kernels instead of its Python wrapper (which
-  also re-checks ~50 sizes and builds ~80 tensor views per call), and the step's attention is traced with
-  SDPA's math backend, so inductor fuses the single query's scores, softmax and weighted sum into its own
+  also re-checks ~50 sizes and builds ~80 tensor views per call), and on CPU the step's attention is traced
+  with SDPA's math backend, so inductor fuses the single query's scores, softmax and weighted sum into its own
   kernels instead of calling the flash kernel once per layer. Measured on the 124M GPT-2 at batch 1, each
   interleaved in one process against the step without it (10 pairs, medians of the pairwise ratios): the
   C++ wrapper 0.96x the time per token, the math attention on top 0.97x; at batch 8 0.96x and 0.94x; at 350M
@@ -38,11 +38,13 @@ not carry to the graph capture). The prefill stays eager: time to first token is
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import types
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS"]
 
@@ -53,20 +55,22 @@ DECODE_COMPILE_OPTIONS = {**torch._inductor.list_mode_options("max-autotune-no-c
 
 class FrozenCompiledCall:
     """`torch.compile(fn, options=DECODE_COMPILE_OPTIONS)`, every call under inductor's `freezing=freeze`
-    (compilation reads the setting when a new shape is first seen, which is during a call) and SDPA's math
-    backend (`torch.nn.attention.sdpa_kernel`: traced, the one query's attention becomes inductor's own fused
-    kernels; see the module docstring). freeze=False: the compiled step reads the module's own weight tensors
-    (no packed copy)."""
+    (compilation reads the setting when a new shape is first seen, which is during a call) and, with
+    math_attention, SDPA's math backend (`torch.nn.attention.sdpa_kernel`: traced, the one query's attention
+    becomes inductor's own fused kernels; see the module docstring - measured on CPU only, so `inject_kernels`
+    asks for it there and leaves other devices their own SDPA kernels). freeze=False: the compiled step reads
+    the module's own weight tensors (no packed copy)."""
 
-    def __init__(self, fn, freeze: bool = True):
+    def __init__(self, fn, freeze: bool = True, math_attention: bool = False):
         self.compiled = torch.compile(fn, options=dict(DECODE_COMPILE_OPTIONS))
         self.freeze = freeze
+        self.math_attention = math_attention
 
     def __call__(self, *args, **kwargs):
         import torch._inductor.config as inductor_config
-        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with torch.no_grad(), inductor_config.patch(freezing=self.freeze), sdpa_kernel(SDPBackend.MATH):
+        attention = sdpa_kernel(SDPBackend.MATH) if self.math_attention else contextlib.nullcontext()
+        with torch.no_grad(), inductor_config.patch(freezing=self.freeze), attention:
             return self.compiled(*args, **kwargs)
 
 
@@ -98,7 +102,7 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True)
     cc = CompileConfig(fullgraph=False, dynamic=False, mode="max-autotune-no-cudagraphs")
     cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
     gen.compile_config = cc
-    call = FrozenCompiledCall(module.__call__, freeze)
+    call = FrozenCompiledCall(module.__call__, freeze, math_attention=device.type == "cpu")
     module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
     module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
     return call
