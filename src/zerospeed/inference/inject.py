@@ -43,6 +43,7 @@ import shutil
 import types
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,8 +68,6 @@ class FrozenCompiledCall:
         self.math_attention = math_attention
 
     def __call__(self, *args, **kwargs):
-        import torch._inductor.config as inductor_config
-
         attention = sdpa_kernel(SDPBackend.MATH) if self.math_attention else contextlib.nullcontext()
         with torch.no_grad(), inductor_config.patch(freezing=self.freeze), attention:
             return self.compiled(*args, **kwargs)
