@@ -285,3 +285,22 @@ def with_mpu(rank, world):
 def test_mpu_gives_the_tensor_parallel_group():
     for size, diff in run_distributed(with_mpu, 2):
         assert size == 2 and diff < 1e-4
+
+
+def injected(rank, world):
+    """Kernel injection at tp 2: the compiled decode step holds the row-parallel all-reduces (torch's functional
+    collectives, which inductor's C++ wrapper cannot call: the step uses the Python wrapper there); two
+    generates of the same shape (the second reuses the compiled step) give the plain model's tokens."""
+    ids, mask = _prompts()
+    ref = tiny_hf_gpt2(seed=0).eval()
+    engine = zerospeed.init_inference(tiny_hf_gpt2(seed=0).eval(), tensor_parallel={"tp_size": 2},
+                                      dtype=torch.float32, replace_with_kernel_inject=True)
+    with torch.no_grad():
+        want = _generate(ref, ids, mask)
+        return [torch.equal(_generate(engine.module, ids, mask), want) for _ in range(2)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_kernel_injection():
+    for same in run_distributed(injected, 2, timeout=300):
+        assert same == [True, True], same

@@ -139,7 +139,8 @@ class InferenceEngine(nn.Module):
         if config.replace_with_kernel_inject:
             from .inject import inject_kernels
             device = next((p.device for p in model.parameters()), torch.device(accel.current_device_name()))
-            self.decode_step = inject_kernels(model, device, freeze=not config.set_empty_params)
+            self.decode_step = inject_kernels(model, device, freeze=not config.set_empty_params,
+                                              collectives=self.tp.size > 1)
         self._is_compiled = False
         self._model_times: list[float] = []
 

@@ -60,10 +60,12 @@ class FrozenCompiledCall:
     math_attention, SDPA's math backend (`torch.nn.attention.sdpa_kernel`: traced, the one query's attention
     becomes inductor's own fused kernels; see the module docstring - measured on CPU only, so `inject_kernels`
     asks for it there and leaves other devices their own SDPA kernels). freeze=False: the compiled step reads
-    the module's own weight tensors (no packed copy)."""
+    the module's own weight tensors (no packed copy). cpp_wrapper=False: inductor's Python wrapper instead (a step
+    with torch's functional collectives, which the C++ wrapper cannot call in torch 2.13: "NotImplementedError: arg
+    type Any is not yet supported by custom_op_wrapper")."""
 
-    def __init__(self, fn, freeze: bool = True, math_attention: bool = False):
-        self.compiled = torch.compile(fn, options=dict(DECODE_COMPILE_OPTIONS))
+    def __init__(self, fn, freeze: bool = True, math_attention: bool = False, cpp_wrapper: bool = True):
+        self.compiled = torch.compile(fn, options={**DECODE_COMPILE_OPTIONS, "cpp_wrapper": cpp_wrapper})
         self.freeze = freeze
         self.math_attention = math_attention
 
@@ -80,10 +82,12 @@ def _check_compiler(device: torch.device) -> None:
                          "set replace_with_kernel_inject=false")
 
 
-def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True) -> FrozenCompiledCall:
+def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
+                   collectives: bool = False) -> FrozenCompiledCall:
     """Switch a HF generation model to the static KV cache, SDPA attention and the compiled decode step
     (in place). freeze=False (`set_empty_params=True`): compile without freezing, so the step holds no copy of
-    the weights. Returns the compiled call `generate` will use. Raises ValueError for a module that is not
+    the weights. collectives=True (tensor parallelism: the step all-reduces): inductor's Python wrapper, not the
+    C++ one (`FrozenCompiledCall`). Returns the compiled call `generate` will use. Raises ValueError for a module that is not
     a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
     gen = getattr(module, "generation_config", None)
     hooks = ("generate", "get_compiled_call", "_prepare_static_cache")
@@ -101,7 +105,7 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True)
     cc = CompileConfig(fullgraph=False, dynamic=False, mode="max-autotune-no-cudagraphs")
     cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
     gen.compile_config = cc
-    call = FrozenCompiledCall(module.__call__, freeze, math_attention=device.type == "cpu")
+    call = FrozenCompiledCall(module.__call__, freeze, math_attention=device.type == "cpu", cpp_wrapper=not collectives)
     module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
     module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
     return call
