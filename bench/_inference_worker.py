@@ -12,12 +12,15 @@ download), `.eval()`. The system wraps it (`wrap`), then, in this order:
 2. prefill (TTFT): median of `PREFILL_SAMPLES` (5) `generate(max_new_tokens=1)` calls - what a user waits for the
    first token, through each system's own path (kernel injection: its static cache, kept from the warm-up at the
    longer length, so no recompile; the one-token generate never runs the compiled decode step);
-3. `--inner` timed `generate(max_new_tokens=N, min_new_tokens=N)` calls, greedy, pad_token_id 0, attention mask of
-   ones: exactly N tokens each.
+3. `--inner` timed `generate(max_new_tokens=N, eos_token_id=None)` calls, greedy, pad_token_id 0, attention mask of
+   ones: exactly N tokens each (no end-of-sequence token stops them; since session 24 - before, `min_new_tokens=N`,
+   whose logits processor added ~0.85 ms per token, an `isin` over the vocabulary, to every system), each between two
+   read probes (rank 0, `read_probe`, 3 trials): the bound under the conditions of that very minute.
 
 Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
-token ids of the last call, and the read bandwidth measured at the end of the launch (`read_probe`, 2 threads, rank
-0, after the peak RSS is read): the bound under the launch's own conditions. `measure_bandwidth` (run by the parent
+token ids of the last call, and the read bandwidth before and after each timed generate (`gen_read_gbs`, inner + 1
+values; the probe's 512 MiB buffer is freed and the peak RSS reset after each, `reset_peak_rss`, so VmHWM is the
+serving's own). `measure_bandwidth` (run by the parent
 in a `python -c` process of its own) gives the machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's
 weight shapes.
 """
@@ -55,6 +58,7 @@ SYSTEMS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 PREFILL_SAMPLES = 5  # generate(max_new_tokens=1) calls per launch for the time to first token (median)
+BRACKET_TRIALS = 3   # timed x.sum() calls of each read probe around a timed generate
 
 
 def vm_hwm_bytes() -> int:
@@ -68,6 +72,16 @@ def vm_hwm_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux: "5" into /proc/self/clear_refs). False where that is
+    not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def build_model(model: str, seed: int):
@@ -130,26 +144,46 @@ def run(args, world: int) -> dict:
     mask = torch.ones_like(ids)
 
     def generate(n: int = args.new_tokens):
-        """Exactly n new tokens (min_new_tokens = n): (wall s, CPU s, the ids)."""
+        """Exactly n new tokens (eos_token_id=None: nothing stops early): (wall s, CPU s, the ids)."""
         _barrier()
         t, c = time.perf_counter(), time.process_time()
-        out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+        out = module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None,
                               do_sample=False, pad_token_id=0)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         if out.shape != (args.batch, args.prompt + n):
             raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {(args.batch, args.prompt + n)}")
         return wall, cpu, out
 
+    peaks = []  # VmHWM before each reset (the read probes' buffer is not the serving's memory)
+    probing = int(os.environ.get("RANK", "0")) == 0
+
+    def bracket() -> float | None:
+        """Rank 0: the read bandwidth now (GB/s), its buffer freed and the peak RSS reset after it."""
+        nonlocal probing
+        if not probing:
+            return None
+        peaks.append(vm_hwm_bytes())
+        probing = reset_peak_rss()  # without a reset, the probe's buffer would count in the peak
+        if not probing:
+            return None
+        torch.set_num_threads(2)  # as the run's own probes; the other rank waits at generate's barrier
+        gbs = statistics.median(read_probe(BRACKET_TRIALS))
+        torch.set_num_threads(threads_after_setup)
+        reset_peak_rss()  # the buffer is freed: the peak is the serving's again
+        return gbs
+
     warmup_s, _, _ = generate()
     first_gen_at = time.time()
     prefill_s = [generate(1)[0] for _ in range(PREFILL_SAMPLES)]  # time to first token
     gen_s, gen_cpu_s, out = [], [], None
+    reads = [bracket()]
     for _ in range(args.inner):
         wall, cpu, out = generate()
         gen_s.append(wall)
         gen_cpu_s.append(cpu)
-    per_rank = [{"peak_rss_bytes": vm_hwm_bytes(), "start_rss_bytes": rss_start, "setup_rss_bytes": rss_after_setup,
-                 "weight_bytes": wbytes, "wpe_bytes": wpe_bytes}]
+        reads.append(bracket())
+    per_rank = [{"peak_rss_bytes": max([vm_hwm_bytes(), *peaks]), "start_rss_bytes": rss_start,
+                 "setup_rss_bytes": rss_after_setup, "weight_bytes": wbytes, "wpe_bytes": wpe_bytes}]
     if world > 1:
         import torch.distributed as dist
 
@@ -157,11 +191,6 @@ def run(args, world: int) -> dict:
         dist.all_gather_object(gathered, per_rank[0])
         per_rank = gathered
     del keep
-    launch_read = None
-    if int(os.environ.get("RANK", "0")) == 0:  # the bound under this launch's conditions (after the peak RSS is read)
-        torch.set_num_threads(2)                # as the run's own probes; the other rank waits at the barrier
-        launch_read = statistics.median(read_probe())
-        torch.set_num_threads(threads_after_setup)
     _barrier()
     return {
         "status": "ok", "n_params": n_params, "threads_after_setup": threads_after_setup, "setup_s": setup_s, "warmup_s": warmup_s,
@@ -171,7 +200,7 @@ def run(args, world: int) -> dict:
         "setup_rss_bytes": [r["setup_rss_bytes"] for r in per_rank],
         "weight_bytes": [r["weight_bytes"] for r in per_rank],
         "wpe_bytes": [r["wpe_bytes"] for r in per_rank],
-        "launch_read_gbs": launch_read,
+        "gen_read_gbs": reads,  # read GB/s before generate i is [i], after it [i + 1] (rank 0)
         "launch_to_first_generate_s": first_gen_at - (args.launch_time or _T_PROCESS),
         "tokens": out[:, args.prompt:].tolist(),
     }

@@ -18,9 +18,9 @@ download. Systems, each (model, batch, system) its own process (`bench/_inferenc
     deepspeed-fp32           `deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)`
 
 Prompt: `--prompt` random token ids (fixed seed), batch `--batches`, greedy, exactly `--new-tokens` tokens per call
-(min_new_tokens = max_new_tokens), pad_token_id 0, attention mask of ones. Per launch: one warm-up generate of the
+(eos_token_id=None), pad_token_id 0, attention mask of ones. Per launch: one warm-up generate of the
 measured shapes (compiles the injected decode step), the prefill (TTFT) as the median of 5 `generate(max_new_tokens=1)`
-calls, then `--inner` timed generates. World 1: 2 threads; world 2: 1 thread per rank. The machine's read bandwidth and
+calls, then `--inner` timed generates, each between two read probes (rank 0). World 1: 2 threads; world 2: 1 thread per rank. The machine's read bandwidth and
 eager GEMV rate are measured before and after the systems, each in a process of its own. Repeats are interleaved
 (the system order rotates by one per repeat); the table shows medians. Writes
 bench/results/bench_inference_<stamp>.{md,json} and the launch logs under bench/results/logs_inference_<stamp>/.
@@ -191,10 +191,24 @@ def step_bytes(run: dict) -> float:
 
 
 def of_own_bound(run: dict) -> float | None:
-    """Decode tok/s of one launch over its own bound: B x the read bandwidth measured at the end of that launch /
-    bytes per decode step. None for a launch without that measurement (before session 22) or a decode rate."""
+    """Decode tok/s of one launch over its own bound, B x read bandwidth / bytes per decode step. Since session 24
+    each timed generate against the mean of the read probes just before and just after it (`gen_read_gbs`), the
+    median over the generates; runs of sessions 22-23: the launch's rate against a probe at its end
+    (`launch_read_gbs`). None without either or without a decode rate."""
+    reads, pre = run.get("gen_read_gbs"), statistics.median(run["prefill_s"])
+    if reads and all(reads):
+        per_gen = [run["batch"] * (run["new_tokens"] - 1) / (g - pre) * step_bytes(run)
+                   / (run["batch"] * (a + b) / 2 * 1e9) for g, a, b in zip(run["gen_s"], reads, reads[1:]) if g > pre]
+        return statistics.median(per_gen) if per_gen else None
     rate, gbs = decode_tps(run), run.get("launch_read_gbs")
     return rate * step_bytes(run) / (run["batch"] * gbs * 1e9) if rate and gbs else None
+
+
+def launch_read(run: dict) -> float | None:
+    """The launch's own read bandwidth, GB/s: the median of its probes around the timed generates (or the one at
+    its end, sessions 22-23)."""
+    reads = [x for x in run.get("gen_read_gbs") or [] if x]
+    return statistics.median(reads) if reads else run.get("launch_read_gbs")
 
 
 def read_bw(saved: dict) -> float | None:
@@ -237,9 +251,9 @@ def aggregate(runs: list[dict], bw: float | None) -> list[dict]:
                 row["bound_tps"] = batch * bw * 1e9 / row["step_bytes"]
                 row["of_bound_run"] = row["of_bound"] = row["decode_tps"] / row["bound_tps"] if valid else None
             own = [x for x in map(of_own_bound, ok) if x is not None]
-            if own:  # each launch against the bandwidth measured at its end: the same neighbours, the same minute
+            if own:  # each generate against the bandwidth measured around it: the same neighbours, the same minute
                 row["of_bound"] = statistics.median(own)
-                row["launch_read_gbs"] = statistics.median(r["launch_read_gbs"] for r in ok if r.get("launch_read_gbs"))
+                row["launch_read_gbs"] = statistics.median(x for x in map(launch_read, ok) if x)
             if len(valid) < len(rates):
                 row["note"] = (f"{len(rates) - len(valid)} of {len(rates)} launches: prefill >= generate (no decode "
                                "rate: the machine was busy)")
@@ -352,8 +366,8 @@ def _launch_bw(rows: list[dict]) -> str:
     gbs = [r["launch_read_gbs"] for r in rows if r.get("launch_read_gbs")]
     if not gbs:
         return ""
-    return (f", or each launch's own, measured at its end ({min(gbs):.1f}-{max(gbs):.1f} GB/s over the rows), for "
-            "the fraction of bound")
+    return (f", or each launch's own, measured around its timed generates ({min(gbs):.1f}-{max(gbs):.1f} GB/s over "
+            "the rows), for the fraction of bound")
 
 
 def _bw_line(label: str, b: dict | None) -> str:
@@ -372,8 +386,9 @@ NOTES = (
     "and the prefill's 5 calls, then the median over repeats (N = new tokens; the first token comes from the "
     "prefill). x HF fp32 / x HF bf16: decode tok/s over hf-fp32's / hf-bf16's of the same model and batch (the latter "
     "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, per "
-    "launch with the bandwidth measured at the end of that launch (x.sum() over 512 MiB, 2 threads, rank 0; "
-    "since session 22: the run's before / after probes spread 33-48 GB/s within 10 minutes), median over repeats (runs without it: the "
+    "timed generate with the bandwidth measured just before and just after it (mean of the two; x.sum() over 512 MiB, "
+    "median of 3, 2 threads, rank 0; since session 24, the end of the launch in sessions 22-23: the machine's probe "
+    "moves 26-55 GB/s within an hour), median over generates and repeats (runs without it: the "
     "higher of the run's two probes); the bytes "
     "being every parameter and buffer of the served module once (`weight_bytes`, the tied wte once, as the lm_head's "
     "matrix) less the position table, summed over the ranks for tp 2 (both ranks read at once from the one memory); "
