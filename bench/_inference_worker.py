@@ -20,7 +20,8 @@ download), `.eval()`. The system wraps it (`wrap`), then, in this order:
 Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
 token ids of the last call, and the read bandwidth before and after each timed generate (`gen_read_gbs`, inner + 1
 values; the probe's 512 MiB buffer is freed and the peak RSS reset after each, `reset_peak_rss`, so VmHWM is the
-serving's own). `measure_bandwidth` (run by the parent
+serving's own); at tp 2, the collectives of one decode step, counted (`collectives_per_token`) and timed alone
+(`collective_s`): what tensor parallelism adds per token on this machine. `measure_bandwidth` (run by the parent
 in a `python -c` process of its own) gives the machine's read bandwidth and the eager fp32 GEMV rate over GPT-2's
 weight shapes.
 """
@@ -125,6 +126,56 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def collectives_per_token(module, batch: int) -> dict:
+    """{op name: calls} of the collectives one decode step issues: counted (`TorchDispatchMode`, c10d and functional
+    collective ops, waits excluded) in one eager forward of one token per sequence without a cache - the same
+    layers as a decode step. Every rank of the group runs it (they are collective)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: Counter = Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if func.namespace in ("c10d", "_c10d_functional") and not name.startswith("_") and "wait" not in name:
+                calls[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        module(torch.zeros(batch, 1, dtype=torch.long), use_cache=False)
+    return dict(calls)
+
+
+def collective_seconds(group, batch: int, d: int, vocab: int, blocks: int = 10, calls: int = 40) -> dict:
+    """Seconds per call of a decode step's collectives on `group`, eager (`torch.distributed`, this launch's
+    threads): the all-reduce of one token's hidden states [batch, d] and the all-gather of the logits' shards
+    [batch, vocab / world] fp32; the fastest of `blocks` blocks of `calls` back-to-back calls after a barrier
+    (gloo's latency here moves 0.5-1.9 ms per call between blocks: the fastest gives the most optimistic limit)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    x = torch.zeros(batch, d)
+    shard = torch.zeros(batch, -(-vocab // world))
+    out = torch.empty(world * shard.shape[0], shard.shape[1])
+    ops = {"all_reduce": lambda: dist.all_reduce(x, group=group),
+           "all_gather": lambda: dist.all_gather_into_tensor(out, shard, group=group)}
+    result = {}
+    for name, op in ops.items():
+        for _ in range(5):
+            op()
+        per_block = []
+        for _ in range(blocks):
+            dist.barrier(group=group)
+            t = time.perf_counter()
+            for _ in range(calls):
+                op()
+            per_block.append((time.perf_counter() - t) / calls)
+        result[name] = min(per_block)
+    return result
+
+
 def run(args, world: int) -> dict:
     from zerospeed.inference.quant import weight_bytes
 
@@ -182,6 +233,11 @@ def run(args, world: int) -> dict:
         gen_s.append(wall)
         gen_cpu_s.append(cpu)
         reads.append(bracket())
+    comm = {}
+    if world > 1:  # what tensor parallelism adds per token here: the step's collectives, counted and timed
+        comm = {"collectives_per_token": collectives_per_token(module, args.batch),
+                "collective_s": collective_seconds(keep.tp.group, args.batch, MODELS[args.model]["n_embd"],
+                                                   VOCAB)}
     per_rank = [{"peak_rss_bytes": max([vm_hwm_bytes(), *peaks]), "start_rss_bytes": rss_start,
                  "setup_rss_bytes": rss_after_setup, "weight_bytes": wbytes, "wpe_bytes": wpe_bytes}]
     if world > 1:
@@ -200,6 +256,7 @@ def run(args, world: int) -> dict:
         "setup_rss_bytes": [r["setup_rss_bytes"] for r in per_rank],
         "weight_bytes": [r["weight_bytes"] for r in per_rank],
         "wpe_bytes": [r["wpe_bytes"] for r in per_rank],
+        **comm,
         "gen_read_gbs": reads,  # read GB/s before generate i is [i], after it [i + 1] (rank 0)
         "launch_to_first_generate_s": first_gen_at - (args.launch_time or _T_PROCESS),
         "tokens": out[:, args.prompt:].tolist(),

@@ -254,6 +254,11 @@ def aggregate(runs: list[dict], bw: float | None) -> list[dict]:
             if own:  # each generate against the bandwidth measured around it: the same neighbours, the same minute
                 row["of_bound"] = statistics.median(own)
                 row["launch_read_gbs"] = statistics.median(x for x in map(launch_read, ok) if x)
+            comm = [r for r in ok if r.get("collective_s")]
+            if comm:  # tp: the step's collectives, counted and timed per launch
+                row["collectives_per_token"] = comm[0]["collectives_per_token"]
+                row["collective_s"] = {op: statistics.median(r["collective_s"][op] for r in comm)
+                                       for op in comm[0]["collective_s"]}
             if len(valid) < len(rates):
                 row["note"] = (f"{len(rates) - len(valid)} of {len(rates)} launches: prefill >= generate (no decode "
                                "rate: the machine was busy)")
@@ -310,16 +315,46 @@ def markdown_table(rows: list[dict], new_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def targets_table(rows: list[dict], batches: list[int]) -> str:
-    """Issue 26's targets, per model, from the table's rows: measured value, met / missed."""
-    by = {(r["model"], r["batch"], r["system"]): r for r in rows if r["status"] == "ok"}
-    lines = ["| model | target | measured | |", "|---|---|---|---|"]
+def comm_seconds_per_token(row: dict) -> float | None:
+    """Seconds of collectives per decode step of a tp row: each op counted in the step times its measured
+    seconds per call (all-gathers at the logits' all-gather time, the rest at the hidden-state all-reduce's)."""
+    calls, secs = row.get("collectives_per_token"), row.get("collective_s")
+    if not calls or not secs:
+        return None
+    return sum(n * secs["all_gather" if "gather" in op else "all_reduce"] for op, n in calls.items())
 
-    def add(model, what, value, ok, why=""):
+
+def tp_limits(tp: dict, tp1: dict) -> tuple[float, float] | None:
+    """(tp 2 ÷ tp 1 this machine allows, what a node of 2 devices with their own memory would reach) from
+    tp 1's time per decode step t1 and the tp row's collective seconds per step c: here the two ranks share
+    one memory bus, so reading half the weights each takes t1 still: t1 / (t1 + c); with a memory per device
+    each reads its half in t1 / 2: t1 / (t1 / 2 + c), with this machine's collective time."""
+    c = comm_seconds_per_token(tp)
+    if c is None or not tp1.get("decode_tps"):
+        return None
+    t1 = tp1["batch"] / tp1["decode_tps"]
+    return t1 / (t1 + c), t1 / (t1 / 2 + c)
+
+
+def bf16_limit(zs16: dict, hf16: dict) -> float | None:
+    """The largest zs-bf16 ÷ hf-bf16 the bandwidth allows: zs-bf16's bound (B x read bandwidth / its bytes per
+    step; the launches' own probes, or the run's) over hf-bf16's decode rate."""
+    gbs = zs16.get("launch_read_gbs")
+    bound = zs16["batch"] * gbs * 1e9 / zs16["step_bytes"] if gbs else zs16.get("bound_tps")
+    return _div(bound, hf16.get("decode_tps"))
+
+
+def targets_table(rows: list[dict], batches: list[int]) -> str:
+    """Issue 26's targets, per model, from the table's rows: measured value, met / missed, and for the targets
+    the machine caps the limit it allows (`tp_limits`, `bf16_limit`)."""
+    by = {(r["model"], r["batch"], r["system"]): r for r in rows if r["status"] == "ok"}
+    lines = ["| model | target | measured | | limit on this machine |", "|---|---|---|---|---|"]
+
+    def add(model, what, value, ok, why="", limit=""):
         if value is None:
-            lines.append(f"| {model} | {what} | — | not measured{why} |")
+            lines.append(f"| {model} | {what} | — | not measured{why} | {limit} |")
         else:
-            lines.append(f"| {model} | {what} | {value:.2f} | {'met' if ok(value) else 'missed'} |")
+            lines.append(f"| {model} | {what} | {value:.2f} | {'met' if ok(value) else 'missed'} | {limit} |")
 
     def ratio(model, b, sys_a, sys_b, key="decode_tps"):
         a, c = by.get((model, b, sys_a)), by.get((model, b, sys_b))
@@ -332,7 +367,10 @@ def targets_table(rows: list[dict], batches: list[int]) -> str:
         add(model, "zs-fp32 B=1 decode ÷ hf-fp32 >= 1.2", ratio(model, 1, "zs-fp32", "hf-fp32"), lambda x: x >= 1.2)
         add(model, "zs-fp32 B=8 decode ÷ hf-fp32 >= 2", ratio(model, 8, "zs-fp32", "hf-fp32"), lambda x: x >= 2)
         for b in batches:
-            add(model, f"zs-bf16 B={b} decode ÷ hf-bf16 >= 10", ratio(model, b, "zs-bf16", "hf-bf16"), lambda x: x >= 10)
+            zs16, hf16 = by.get((model, b, "zs-bf16")), by.get((model, b, "hf-bf16"))
+            cap = bf16_limit(zs16, hf16) if zs16 and hf16 else None
+            add(model, f"zs-bf16 B={b} decode ÷ hf-bf16 >= 10", ratio(model, b, "zs-bf16", "hf-bf16"), lambda x: x >= 10,
+                limit=f"{cap:.2f} (zs-bf16's bandwidth bound ÷ hf-bf16)" if cap else "")
             add(model, f"zs-bf16 B={b} decode ÷ zs-fp32 >= 0.7", ratio(model, b, "zs-bf16", "zs-fp32"), lambda x: x >= 0.7)
         wb = next((ratio(model, b, "zs-int8", "zs-fp32", "weight_bytes") for b in batches
                    if ratio(model, b, "zs-int8", "zs-fp32", "weight_bytes") is not None), None)
@@ -341,8 +379,12 @@ def targets_table(rows: list[dict], batches: list[int]) -> str:
                    if ratio(model, b, "zs-tp2-fp32", "zs-fp32", "weight_bytes") is not None), None)
         add(model, "zs-tp2-fp32 weight bytes/rank ÷ zs-fp32's <= 0.55", wt, lambda x: x <= 0.55)
         for b in batches:
+            tp, tp1 = by.get((model, b, "zs-tp2-fp32")), by.get((model, b, "zs-fp32"))
+            lim = tp_limits(tp, tp1) if tp and tp1 else None
             add(model, f"zs-tp2-fp32 B={b} decode ÷ zs-fp32 >= 0.8", ratio(model, b, "zs-tp2-fp32", "zs-fp32"),
-                lambda x: x >= 0.8)
+                lambda x: x >= 0.8, limit=(f"{lim[0]:.2f} (one memory bus; {comm_seconds_per_token(tp) * 1e3:.1f} ms "
+                                           f"of collectives per step); {lim[1]:.2f} with a memory per device"
+                                           if lim else ""))
         for b in batches:
             add(model, f"zs-fp32 B={b} prefill (TTFT) ÷ hf-fp32's <= 1.10",
                 ratio(model, b, "zs-fp32", "hf-fp32", "prefill_s"), lambda x: x <= 1.10)
