@@ -18,12 +18,13 @@ download. Systems, each (model, batch, system) its own process (`bench/_inferenc
     deepspeed-fp32           `deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)`
 
 Prompt: `--prompt` random token ids (fixed seed), batch `--batches`, greedy, exactly `--new-tokens` tokens per call
-(eos_token_id=None), pad_token_id 0, attention mask of ones. Per launch: one warm-up generate of the
-measured shapes (compiles the injected decode step), the prefill (TTFT) as the median of 5 `generate(max_new_tokens=1)`
-calls, then `--inner` timed generates, each between two read probes (rank 0). World 1: 2 threads; world 2: 1 thread per rank. The machine's read bandwidth and
-eager GEMV rate are measured before and after the systems, each in a process of its own. Repeats are interleaved
-(the system order rotates by one per repeat); the table shows medians. Writes
-bench/results/bench_inference_<stamp>.{md,json} and the launch logs under bench/results/logs_inference_<stamp>/.
+(eos_token_id=None), pad_token_id 0, attention mask of ones. Per launch: one warm-up generate of the measured
+shapes (compiles the injected decode step), the prefill (TTFT) as the median of 5 `generate(max_new_tokens=1)` calls,
+then `--inner` timed generates, each between two read probes (rank 0). World 1: 2 threads; world 2: 1 thread per
+rank. The machine's read bandwidth and eager GEMV rate are measured before and after the systems, each in a
+process of its own. Repeats are interleaved (the system order rotates by one per repeat); the table shows medians.
+Writes bench/results/bench_inference_<stamp>.{md,json} and the launch logs under
+bench/results/logs_inference_<stamp>/.
 """
 from __future__ import annotations
 
@@ -197,8 +198,9 @@ def of_own_bound(run: dict) -> float | None:
     (`launch_read_gbs`). None without either or without a decode rate."""
     reads, pre = run.get("gen_read_gbs"), statistics.median(run["prefill_s"])
     if reads and all(reads):
-        per_gen = [run["batch"] * (run["new_tokens"] - 1) / (g - pre) * step_bytes(run)
-                   / (run["batch"] * (a + b) / 2 * 1e9) for g, a, b in zip(run["gen_s"], reads, reads[1:]) if g > pre]
+        # (B (N - 1) / (g - pre)) tok/s against B x bandwidth / bytes: B cancels
+        per_gen = [(run["new_tokens"] - 1) / (g - pre) * step_bytes(run) / ((a + b) / 2 * 1e9)
+                   for g, a, b in zip(run["gen_s"], reads, reads[1:]) if g > pre]
         return statistics.median(per_gen) if per_gen else None
     rate, gbs = decode_tps(run), run.get("launch_read_gbs")
     return rate * step_bytes(run) / (run["batch"] * gbs * 1e9) if rate and gbs else None

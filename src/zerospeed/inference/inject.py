@@ -24,7 +24,8 @@ device:
   interleaved in one process against the step without it (10 pairs, medians of the pairwise ratios): the
   C++ wrapper 0.96x the time per token, the math attention on top 0.97x; at batch 8 0.96x and 0.94x; at 350M
   parameters no difference beyond noise (session 23, bench/README.md). The C++ wrapper costs ~14 s more
-  compilation once.
+  compilation once. Under tensor parallelism the step keeps the Python wrapper: the C++ one cannot call torch's
+  functional all-reduces (torch 2.13).
 
 Freezing also fixes the tensors HF marks as static addresses - the cache's keys, values and
 `cumulative_length` - into the compiled step, so `generate` must reuse one cache per (batch, length)
@@ -87,8 +88,8 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
     """Switch a HF generation model to the static KV cache, SDPA attention and the compiled decode step
     (in place). freeze=False (`set_empty_params=True`): compile without freezing, so the step holds no copy of
     the weights. collectives=True (tensor parallelism: the step all-reduces): inductor's Python wrapper, not the
-    C++ one (`FrozenCompiledCall`). Returns the compiled call `generate` will use. Raises ValueError for a module that is not
-    a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
+    C++ one (`FrozenCompiledCall`). Returns the compiled call `generate` will use. Raises ValueError for a module
+    that is not a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
     gen = getattr(module, "generation_config", None)
     hooks = ("generate", "get_compiled_call", "_prepare_static_cache")
     if gen is None or not all(callable(getattr(module, h, None)) for h in hooks):
