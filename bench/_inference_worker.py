@@ -75,16 +75,6 @@ def vm_hwm_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux: "5" into /proc/self/clear_refs). False where that is
-    not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def build_model(model: str, seed: int):
     import transformers
 
@@ -178,6 +168,7 @@ def collective_seconds(group, batch: int, d: int, vocab: int, blocks: int = 10, 
 
 def run(args, world: int) -> dict:
     from zerospeed.inference.quant import weight_bytes
+    from zerospeed.testing.rss import reset_peak_rss
 
     rss_start = vm_hwm_bytes()
     net = build_model(args.model, args.seed)

@@ -10,10 +10,22 @@ def rss_bytes(key: str = "VmRSS:") -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS ("5" into /proc/self/clear_refs). False where that is not
+    possible (not Linux, no permission)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_growth(build: Callable[[], Any]) -> tuple[Any, int]:
-    """(build(), peak resident bytes added while building): VmHWM after resetting it (clear_refs 5)."""
+    """(build(), peak resident bytes added while building): VmHWM after resetting it (clear_refs 5).
+    Raises OSError where the peak cannot be reset."""
     before = rss_bytes("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    if not reset_peak_rss():
+        raise OSError("cannot reset the peak RSS (/proc/self/clear_refs): peak_growth needs Linux")
     out = build()
     return out, rss_bytes("VmHWM:") - before
