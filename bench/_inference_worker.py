@@ -118,7 +118,7 @@ def _barrier() -> None:
 
 def collectives_per_token(module, batch: int) -> dict:
     """{op name: calls} of the collectives one decode step issues: counted (`TorchDispatchMode`, c10d and functional
-    collective ops, waits excluded) in one eager forward of one token per sequence without a cache - the same
+    collective ops, waits excluded, and `comm.traced`'s point-to-point ops) in one eager forward of one token per sequence without a cache - the same
     layers as a decode step. Every rank of the group runs it (they are collective)."""
     from collections import Counter
 
@@ -131,6 +131,8 @@ def collectives_per_token(module, batch: int) -> dict:
             name = func._schema.name.split("::")[-1]
             if func.namespace in ("c10d", "_c10d_functional") and not name.startswith("_") and "wait" not in name:
                 calls[name] += 1
+            elif func.namespace == "zerospeed" and name.startswith("message_"):  # comm.traced's, on gloo
+                calls[name] += 1
             return func(*args, **(kwargs or {}))
 
     with torch.no_grad(), Count():
@@ -139,18 +141,19 @@ def collectives_per_token(module, batch: int) -> dict:
 
 
 def collective_seconds(group, batch: int, d: int, vocab: int, blocks: int = 10, calls: int = 40) -> dict:
-    """Seconds per call of a decode step's collectives on `group`, eager (`torch.distributed`, this launch's
-    threads): the all-reduce of one token's hidden states [batch, d] and the all-gather of the logits' shards
+    """Seconds per call of a decode step's collectives on `group`, eager (the step's own, `comm.traced`: on gloo
+    point-to-point messages since session 25, `torch.distributed`'s collectives before; this launch's threads):
+    the all-reduce of one token's hidden states [batch, d] and the all-gather of the logits' shards
     [batch, vocab / world] fp32; the fastest of `blocks` blocks of `calls` back-to-back calls after a barrier
     (gloo's latency here moves 0.5-1.9 ms per call between blocks: the fastest gives the most optimistic limit)."""
     import torch.distributed as dist
 
+    from zerospeed.comm.traced import traced_all_gather, traced_all_reduce
+
     world = dist.get_world_size(group)
     x = torch.zeros(batch, d)
     shard = torch.zeros(batch, -(-vocab // world))
-    out = torch.empty(world * shard.shape[0], shard.shape[1])
-    ops = {"all_reduce": lambda: dist.all_reduce(x, group=group),
-           "all_gather": lambda: dist.all_gather_into_tensor(out, shard, group=group)}
+    ops = {"all_reduce": lambda: traced_all_reduce(x, group), "all_gather": lambda: traced_all_gather(shard, group)}
     result = {}
     for name, op in ops.items():
         for _ in range(5):

@@ -288,9 +288,9 @@ def test_mpu_gives_the_tensor_parallel_group():
 
 
 def injected(rank, world):
-    """Kernel injection at tp 2: the compiled decode step holds the row-parallel all-reduces (torch's functional
-    collectives, which inductor's C++ wrapper cannot call: the step uses the Python wrapper there); two
-    generates of the same shape (the second reuses the compiled step) give the plain model's tokens."""
+    """Kernel injection at tp 2: the compiled decode step holds the row-parallel all-reduces and the logits'
+    all-gather (on gloo `comm.traced`'s point-to-point ops, called from inductor's C++ wrapper); two generates
+    of the same shape (the second reuses the compiled step) give the plain model's tokens."""
     ids, mask = _prompts()
     ref = tiny_hf_gpt2(seed=0).eval()
     engine = zerospeed.init_inference(tiny_hf_gpt2(seed=0).eval(), tensor_parallel={"tp_size": 2},

@@ -137,10 +137,11 @@ class InferenceEngine(nn.Module):
             select_kernel(model)  # on the device the weights now live on
         self.decode_step = None  # the compiled decode step of kernel injection
         if config.replace_with_kernel_inject:
+            from ..comm.traced import needs_python_wrapper
             from .inject import inject_kernels
             device = next((p.device for p in model.parameters()), torch.device(accel.current_device_name()))
             self.decode_step = inject_kernels(model, device, freeze=not config.set_empty_params,
-                                              collectives=self.tp.size > 1)
+                                              collectives=self.tp.size > 1 and needs_python_wrapper(self.tp.group))
         self._is_compiled = False
         self._model_times: list[float] = []
 

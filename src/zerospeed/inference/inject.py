@@ -24,8 +24,9 @@ device:
   interleaved in one process against the step without it (10 pairs, medians of the pairwise ratios): the
   C++ wrapper 0.96x the time per token, the math attention on top 0.97x; at batch 8 0.96x and 0.94x; at 350M
   parameters no difference beyond noise (session 23, bench/README.md). The C++ wrapper costs ~14 s more
-  compilation once. Under tensor parallelism the step keeps the Python wrapper: the C++ one cannot call torch's
-  functional all-reduces (torch 2.13).
+  compilation once. Under tensor parallelism on gloo the step's collectives are `comm.traced`'s point-to-point
+  custom ops, which the C++ wrapper calls; on other backends they are torch's functional collectives, which it
+  cannot call (torch 2.13), so the step keeps the Python wrapper there.
 
 Freezing also fixes the tensors HF marks as static addresses - the cache's keys, values and
 `cumulative_length` - into the compiled step, so `generate` must reuse one cache per (batch, length)
@@ -87,8 +88,9 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
                    collectives: bool = False) -> FrozenCompiledCall:
     """Switch a HF generation model to the static KV cache, SDPA attention and the compiled decode step
     (in place). freeze=False (`set_empty_params=True`): compile without freezing, so the step holds no copy of
-    the weights. collectives=True (tensor parallelism: the step all-reduces): inductor's Python wrapper, not the
-    C++ one (`FrozenCompiledCall`). Returns the compiled call `generate` will use. Raises ValueError for a module
+    the weights. collectives=True (the step holds torch's functional collectives: tensor parallelism on a backend
+    other than gloo, `comm.traced.needs_python_wrapper`): inductor's Python wrapper, not the C++ one
+    (`FrozenCompiledCall`). Returns the compiled call `generate` will use. Raises ValueError for a module
     that is not a HF generation model (naming what to use instead) or a CPU without a C++ compiler."""
     gen = getattr(module, "generation_config", None)
     hooks = ("generate", "get_compiled_call", "_prepare_static_cache")

@@ -11,8 +11,8 @@ table is 31% of the weights, so without this a tp-2 rank would hold 0.66 of the 
   ceil(V / tp), then one all-gather along the last dimension (the padding is cut off).
 
 A tied table (GPT-2's wte = lm_head) stays one Parameter shared by both modules, under both names, as HF
-ties it. Inference only (no autograd through the collectives); torch's functional collectives, which
-`torch.compile` traces into a compiled decode step. The modules keep the names `weight`, so a checkpoint's
+ties it. Inference only (no autograd through the collectives); `comm.traced`'s collectives, which
+`torch.compile` traces into a compiled decode step (and which run eagerly in the prefill). The modules keep the names `weight`, so a checkpoint's
 `transformer.wte.weight` loads into them (`inference/load.py` reads only the rank's rows).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
+
+from ..comm.traced import traced_all_gather, traced_all_reduce
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelLMHead", "shard_vocab", "vocab_range"]
 
@@ -64,7 +65,7 @@ class VocabParallelEmbedding(_VocabParallel):
         else:
             rows = F.embedding(local, self.weight)
         rows = rows * inside.unsqueeze(-1).to(rows.dtype)
-        return funcol.all_reduce(rows, "sum", self.group)
+        return traced_all_reduce(rows, self.group)
 
 
 class VocabParallelLMHead(_VocabParallel):
@@ -74,7 +75,7 @@ class VocabParallelLMHead(_VocabParallel):
         y = self.int8(x) if self.int8 is not None else F.linear(x, self.weight)
         if y.shape[-1] < self.per:
             y = F.pad(y, (0, self.per - y.shape[-1]))
-        full = funcol.all_gather_tensor(y.contiguous(), gather_dim=y.dim() - 1, group=self.group)
+        full = traced_all_gather(y, self.group)
         return full[..., :self.vocab]
 
 

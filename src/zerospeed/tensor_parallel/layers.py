@@ -94,13 +94,12 @@ def copy_to_tensor_parallel(x: torch.Tensor, group, logger=None) -> torch.Tensor
 def reduce_from_tensor_parallel(x: torch.Tensor, group, logger=None) -> torch.Tensor:
     """Megatron's g on partial sums `x` [..., features]: summed over `group` forward (one all-reduce of
     x.numel() elements, counted by `logger`), the gradient passed through backward. Inside `torch.compile`
-    without autograd (a compiled decode step) it is torch's functional all-reduce, which the compiler
+    without autograd (a compiled decode step) it is `comm.traced.traced_all_reduce`, which the compiler
     traces into the graph (the eager one would split the graph at every layer; not counted by `logger`)."""
     if not torch.is_grad_enabled() and torch.compiler.is_compiling():
-        import torch.distributed as dist
-        from torch.distributed import _functional_collectives as funcol
+        from ..comm.traced import traced_all_reduce
 
-        return funcol.all_reduce(x.contiguous(), "sum", group if group is not None else dist.group.WORLD)
+        return traced_all_reduce(x, group)
     return _ReduceFromTensorParallel.apply(x, group, logger)
 
 
