@@ -118,8 +118,8 @@ def _barrier() -> None:
 
 def collectives_per_token(module, batch: int) -> dict:
     """{op name: calls} of the collectives one decode step issues: counted (`TorchDispatchMode`, c10d and functional
-    collective ops, waits excluded, and `comm.traced`'s point-to-point ops) in one eager forward of one token per sequence without a cache - the same
-    layers as a decode step. Every rank of the group runs it (they are collective)."""
+    collective ops, waits excluded, and `comm.traced`'s point-to-point ops) in one eager forward of one token per
+    sequence without a cache - the same layers as a decode step. Every rank of the group runs it (they are collective)."""
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode

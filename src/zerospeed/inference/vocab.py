@@ -12,8 +12,9 @@ table is 31% of the weights, so without this a tp-2 rank would hold 0.66 of the 
 
 A tied table (GPT-2's wte = lm_head) stays one Parameter shared by both modules, under both names, as HF
 ties it. Inference only (no autograd through the collectives); `comm.traced`'s collectives, which
-`torch.compile` traces into a compiled decode step (and which run eagerly in the prefill). The modules keep the names `weight`, so a checkpoint's
-`transformer.wte.weight` loads into them (`inference/load.py` reads only the rank's rows).
+`torch.compile` traces into a compiled decode step (and which run eagerly in the prefill). The modules keep the
+names `weight`, so a checkpoint's `transformer.wte.weight` loads into them (`inference/load.py` reads only the
+rank's rows).
 """
 from __future__ import annotations
 
