@@ -116,15 +116,11 @@ def test_expert_parallel_serving_matches_the_plain_model(kind, world, tmp_path):
 def injected(rank, world):
     """Kernel injection at ep 2: the compiled decode step around the eager expert dispatch; two generates of
     the same shape (the second reuses the compiled step) give the plain model's tokens."""
-    import zerospeed
+    from zerospeed.testing.parity import injected_generates_like
 
     ids, mask = _prompts(rank)
-    ref = _model("mixtral")
-    engine = zerospeed.init_inference(_model("mixtral"), moe={"ep_size": 2}, dtype=torch.float32,
-                                      replace_with_kernel_inject=True)
-    with torch.no_grad():
-        want = _generate(ref, ids, mask)
-        return [torch.equal(_generate(engine.module, ids, mask), want) for _ in range(2)]
+    return injected_generates_like(lambda: _model("mixtral"), _generate, ids, mask, moe={"ep_size": 2},
+                                   dtype=torch.float32)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import zerospeed
 from zerospeed.inference.quant import weight_bytes
 from zerospeed.tensor_parallel import tensor_parallel_layers
 from zerospeed.testing.models import tiny_hf_gpt2, tiny_hf_llama
+from zerospeed.testing.parity import injected_generates_like
 from zerospeed.testing.spawn import run_distributed
 
 pytest.importorskip("transformers")
@@ -292,12 +293,8 @@ def injected(rank, world):
     all-gather (on gloo `comm.traced`'s point-to-point ops, called from inductor's C++ wrapper); two generates
     of the same shape (the second reuses the compiled step) give the plain model's tokens."""
     ids, mask = _prompts()
-    ref = tiny_hf_gpt2(seed=0).eval()
-    engine = zerospeed.init_inference(tiny_hf_gpt2(seed=0).eval(), tensor_parallel={"tp_size": 2},
-                                      dtype=torch.float32, replace_with_kernel_inject=True)
-    with torch.no_grad():
-        want = _generate(ref, ids, mask)
-        return [torch.equal(_generate(engine.module, ids, mask), want) for _ in range(2)]
+    return injected_generates_like(lambda: tiny_hf_gpt2(seed=0).eval(), _generate, ids, mask,
+                                   tensor_parallel={"tp_size": 2}, dtype=torch.float32)
 
 
 @pytest.mark.slow

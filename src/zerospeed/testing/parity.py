@@ -121,3 +121,18 @@ def train_lm_engine(engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
         dist.all_reduce(t, group=group)
         losses.append(float(t) / world)
     return losses
+
+
+def injected_generates_like(build: Callable[[], nn.Module], generate: Callable, ids: torch.Tensor,
+                            mask: torch.Tensor, calls: int = 2, **init_kwargs) -> list[bool]:
+    """Kernel-injection parity: `zerospeed.init_inference(build(), replace_with_kernel_inject=True, **init_kwargs)`
+    against a plain `build()` in the same process. `generate(model, ids, mask)` runs `calls` times on the engine's
+    module (the second and later reuse the compiled decode step); one bool per call: its token ids [batch,
+    prompt + new] equal the plain model's."""
+    import zerospeed
+
+    ref = build()
+    engine = zerospeed.init_inference(build(), replace_with_kernel_inject=True, **init_kwargs)
+    with torch.no_grad():
+        want = generate(ref, ids, mask)
+        return [torch.equal(generate(engine.module, ids, mask), want) for _ in range(calls)]
