@@ -1,10 +1,11 @@
 """offload.hostmem: recycled host buffers (handed out again only when nothing else holds them) and the
-huge-page advice for fresh large buffers."""
+huge-page advice for fresh large buffers, and the move of written ones onto huge pages."""
 import gc
 
 import torch
 
-from zerospeed.offload.hostmem import RecycledBuffers, advise_huge_pages, host_empty
+from zerospeed.offload.hostmem import RecycledBuffers, advise_huge_pages, collapse_huge_pages, host_empty
+from zerospeed.testing.rss import huge_page_bytes
 
 MB = 1 << 20
 
@@ -72,3 +73,29 @@ def test_host_empty_and_huge_page_advice():
     except OSError:
         thp = False
     assert advise_huge_pages(torch.empty(4 * MB)) is thp
+
+
+def _collapse_supported() -> bool:
+    """MADV_COLLAPSE: Linux >= 6.1 with transparent huge pages not disabled."""
+    import platform
+    try:
+        major, minor = (int(x) for x in platform.release().split(".")[:2])
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = "[never]" not in f.read()
+    except (OSError, ValueError):
+        return False
+    return thp and (major, minor) >= (6, 1)
+
+
+def test_collapse_moves_a_written_tensor_onto_huge_pages_in_place():
+    """A 16 MiB tensor already written: its 2 MiB-aligned interior (>= 12 MiB) is on huge pages afterwards, at
+    the same address with the same values; what cannot be collapsed is refused without an error."""
+    t = torch.arange(4 * MB, dtype=torch.float32)
+    want, ptr, before = t.clone(), t.data_ptr(), huge_page_bytes(t)
+    supported = _collapse_supported()
+    assert collapse_huge_pages(t) is supported
+    assert t.data_ptr() == ptr and torch.equal(t, want)
+    if supported:
+        assert huge_page_bytes(t) - before >= 12 * MB, (before, huge_page_bytes(t))
+    assert collapse_huge_pages(torch.empty(16)) is False  # under 2 MiB
+    assert collapse_huge_pages(torch.empty(4 * MB, device="meta")) is False

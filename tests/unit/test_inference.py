@@ -193,6 +193,34 @@ def test_set_empty_params_compiles_over_the_models_own_weights():
         assert torch.equal(engine.module.generate(ids, **kw), want)
 
 
+def test_kernel_injection_puts_the_decode_steps_weights_on_huge_pages():
+    """On CPU the compiled decode step's constants (the frozen, packed weights; here the 4 MiB lm_head) are moved
+    onto huge pages once compiled: each one's 2 MiB-aligned interior is, and the tokens stay the plain model's."""
+    import transformers
+
+    from zerospeed.inference.inject import _code_modules
+    from zerospeed.testing.rss import huge_page_bytes
+
+    cfg = transformers.GPT2Config(vocab_size=8192, n_positions=64, n_embd=128, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.GPT2LMHeadModel(cfg).eval())
+    engine = zerospeed.init_inference(models[1], dtype=torch.float32, replace_with_kernel_inject=True)
+    assert engine.decode_step.huge_pages
+    loaded = len(_code_modules())
+    ids = _ids(batch=1, length=8, seed=5)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(engine.module.generate(ids, **kw), models[0].generate(ids, **kw))
+    big = [v for m in _code_modules()[loaded:] for v in vars(m).values()
+           if isinstance(v, torch.Tensor) and not v.is_mkldnn and v.nbytes >= 4 * 2**20]
+    assert big, "no constant of 4 MiB or more in the compiled step"
+    for t in big:
+        assert huge_page_bytes(t) >= t.nbytes - 4 * 2**20, (tuple(t.shape), huge_page_bytes(t))
+
+
 def test_kernel_injection_needs_a_generation_model():
     with pytest.raises(ValueError, match="Hugging Face generation models"):
         zerospeed.init_inference(torch.nn.Linear(4, 4), dtype=torch.float32, replace_with_kernel_inject=True)

@@ -29,3 +29,23 @@ def peak_growth(build: Callable[[], Any]) -> tuple[Any, int]:
         raise OSError("cannot reset the peak RSS (/proc/self/clear_refs): peak_growth needs Linux")
     out = build()
     return out, rss_bytes("VmHWM:") - before
+
+
+def huge_page_bytes(tensor) -> int:
+    """Bytes of transparent huge pages (/proc/self/smaps "AnonHugePages") in the memory mappings that overlap
+    `tensor`'s storage: whole mappings, so neighbours sharing a mapping count too. 0 where smaps is missing."""
+    storage = tensor.untyped_storage()
+    lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    total, overlaps = 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(x, 16) for x in head.split("-"))
+                    overlaps = start < hi and lo < end
+                elif overlaps and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
