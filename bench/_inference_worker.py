@@ -15,7 +15,9 @@ download), `.eval()`. The system wraps it (`wrap`), then, in this order:
 3. `--inner` timed `generate(max_new_tokens=N, eos_token_id=None)` calls, greedy, pad_token_id 0, attention mask of
    ones: exactly N tokens each (no end-of-sequence token stops them; since session 24 - before, `min_new_tokens=N`,
    whose logits processor added ~0.85 ms per token, an `isin` over the vocabulary, to every system), each between two
-   read probes (rank 0, `read_probe`, 3 trials): the bound under the conditions of that very minute.
+   read probes (rank 0, `read_probe`, 3 trials): the bound under the conditions of that very minute. Since session
+   26 the probe's buffer is on 2 MiB huge pages (as the compiled decode step's weights): the machine's read rate
+   without 4 KiB page walks; the 4 KiB-page probe is kept beside it (`gen_read_gbs_4k`).
 
 Rank 0 writes one JSON object: status, the times, weight bytes and peak RSS (VmHWM) of every rank, the generated
 token ids of the last call, and the read bandwidth before and after each timed generate (`gen_read_gbs`, inner + 1
@@ -59,6 +61,7 @@ SYSTEMS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 PREFILL_SAMPLES = 5  # generate(max_new_tokens=1) calls per launch for the time to first token (median)
+PROBE_HUGE_PAGES = None  # whether read_probe's buffer was on huge pages (False: the OS refused)
 BRACKET_TRIALS = 3   # timed x.sum() calls of each read probe around a timed generate
 
 
@@ -201,9 +204,10 @@ def run(args, world: int) -> dict:
 
     peaks = []  # VmHWM before each reset (the read probes' buffer is not the serving's memory)
     probing = int(os.environ.get("RANK", "0")) == 0
+    reads_4k = []  # the same probe over 4 KiB pages (the judged one is on huge pages), before / after each generate
 
     def bracket() -> float | None:
-        """Rank 0: the read bandwidth now (GB/s), its buffer freed and the peak RSS reset after it."""
+        """Rank 0: the read bandwidth now (GB/s, huge pages), its buffer freed and the peak RSS reset after it."""
         nonlocal probing
         if not probing:
             return None
@@ -212,6 +216,7 @@ def run(args, world: int) -> dict:
         if not probing:
             return None
         torch.set_num_threads(2)  # as the run's own probes; the other rank waits at generate's barrier
+        reads_4k.append(statistics.median(read_probe(BRACKET_TRIALS, huge=False)))
         gbs = statistics.median(read_probe(BRACKET_TRIALS))
         torch.set_num_threads(threads_after_setup)
         reset_peak_rss()  # the buffer is freed: the peak is the serving's again
@@ -251,17 +256,25 @@ def run(args, world: int) -> dict:
         "weight_bytes": [r["weight_bytes"] for r in per_rank],
         "wpe_bytes": [r["wpe_bytes"] for r in per_rank],
         **comm,
-        "gen_read_gbs": reads,  # read GB/s before generate i is [i], after it [i + 1] (rank 0)
+        "gen_read_gbs": reads,  # read GB/s before generate i is [i], after it [i + 1] (rank 0; huge pages)
+        "gen_read_gbs_4k": reads_4k, "probe_huge_pages": PROBE_HUGE_PAGES,
         "launch_to_first_generate_s": first_gen_at - (args.launch_time or _T_PROCESS),
         "tokens": out[:, args.prompt:].tolist(),
     }
 
 
 # -- the machine's bandwidth (the parent runs this in a process of its own) ------------------------------------------
-def read_probe(trials: int = 7) -> list[float]:
+def read_probe(trials: int = 7, huge: bool = True) -> list[float]:
     """GB/s (1e9 B/s) of each of `trials` `x.sum()` over a 512 MiB fp32 tensor (after one untimed), at the current
-    thread count: the machine's read bandwidth."""
+    thread count: the machine's read bandwidth. huge: the tensor moved onto 2 MiB pages first
+    (`collapse_huge_pages`, as kernel injection does with the decode step's weights since session 26), so the
+    rate is the memory's, not the 4 KiB page walks'; where the OS cannot, 4 KiB pages (`PROBE_HUGE_PAGES`)."""
+    global PROBE_HUGE_PAGES
+    from zerospeed.offload.hostmem import collapse_huge_pages
+
     x = torch.ones(512 * 2**20 // 4, dtype=torch.float32)
+    if huge:
+        PROBE_HUGE_PAGES = collapse_huge_pages(x)
     x.sum()
     rates = []
     for _ in range(trials):
@@ -282,6 +295,8 @@ def measure_bandwidth(models: list[str], threads: int = 2, trials: int = 7) -> d
     out = {"threads": threads, "trials": trials}
     out["read_gbs_all"] = read_probe(trials)
     out["read_gbs"] = statistics.median(out["read_gbs_all"])
+    out["probe_huge_pages"] = PROBE_HUGE_PAGES
+    out["read_gbs_4k"] = statistics.median(read_probe(trials, huge=False))
     out["gemv_gbs"] = {}
     for name in models:
         d, layers = MODELS[name]["n_embd"], MODELS[name]["n_layer"]

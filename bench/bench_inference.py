@@ -420,9 +420,12 @@ def _bw_line(label: str, b: dict | None) -> str:
     if b.get("status") != "ok":
         return f"{label}: failed ({b.get('message', '')})"
     gemv = ", ".join(f"{m} {v:.1f}" for m, v in b["gemv_gbs"].items())
+    pages = {True: "on huge pages", False: "on 4 KiB pages (the OS refused huge ones)"}.get(b.get("probe_huge_pages"),
+                                                                                         "4 KiB pages")
+    four_k = f", {b['read_gbs_4k']:.1f} on 4 KiB pages" if b.get("read_gbs_4k") else ""
     return (f"{label} ({b['at']}, load {b['load_avg_1min']:.1f}): read {b['read_gbs']:.1f} GB/s "
-            f"(x.sum() over 512 MiB fp32, 2 threads, median of {b['trials']}); eager fp32 GEMV over the model's "
-            f"matrices: {gemv} GB/s")
+            f"(x.sum() over 512 MiB fp32 {pages}, 2 threads, median of {b['trials']}{four_k}); eager fp32 GEMV over "
+            f"the model's matrices: {gemv} GB/s")
 
 
 NOTES = (
@@ -431,6 +434,7 @@ NOTES = (
     "prefill). x HF fp32 / x HF bf16: decode tok/s over hf-fp32's / hf-bf16's of the same model and batch (the latter "
     "for bf16 rows only). fraction of bound: decode tok/s over B x read bandwidth / bytes per decode step, per "
     "timed generate with the bandwidth measured just before and just after it (mean of the two; x.sum() over 512 MiB, "
+    "on 2 MiB huge pages since session 26 - as kernel injection's weights - and 4 KiB pages before, "
     "median of 3, 2 threads, rank 0; since session 24, the end of the launch in sessions 22-23: the machine's probe "
     "moves 26-55 GB/s within an hour), median over generates and repeats (runs without it: the "
     "higher of the run's two probes); the bytes "
