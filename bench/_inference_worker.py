@@ -314,7 +314,38 @@ def measure_bandwidth(models: list[str], threads: int = 2, trials: int = 7) -> d
                 times.append(time.perf_counter() - t)
         out["gemv_gbs"][name] = nbytes / statistics.median(times) / 1e9
         del mats
+    out["kernel_of_probe"] = {name: kernel_of_probe(MODELS[name]["n_embd"], trials) for name in models}
     return out
+
+
+def kernel_of_probe(d: int, trials: int = 7) -> float:
+    """The ceiling the decode step's kernels put on the fraction of the bound: inductor's frozen GEMV template
+    (kernel injection's compile options) over a [VOCAB, d] fp32 lm_head, its packed weights on huge pages as
+    kernel injection puts them, against `read_probe` (huge pages), alternating `trials` times; the median of
+    the GEMV's GB/s over the probe's."""
+    import torch._inductor.config as inductor_config
+
+    from zerospeed.inference.inject import DECODE_COMPILE_OPTIONS, _code_modules
+    from zerospeed.offload.hostmem import collapse_huge_pages
+
+    lin, x = torch.nn.Linear(d, VOCAB, bias=False), torch.randn(1, d)
+    loaded = len(_code_modules())
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        gemv = torch.compile(lin, options=DECODE_COMPILE_OPTIONS)
+        gemv(x)
+        for module in _code_modules()[loaded:]:
+            for value in vars(module).values():
+                if isinstance(value, torch.Tensor):
+                    collapse_huge_pages(value)
+        ratios = []
+        for _ in range(trials):
+            probe = statistics.median(read_probe(3))
+            gemv(x)
+            t = time.perf_counter()
+            for _ in range(3):
+                gemv(x)
+            ratios.append(VOCAB * d * 4 * 3 / (time.perf_counter() - t) / 1e9 / probe)
+    return statistics.median(ratios)
 
 
 # -- main --------------------------------------------------------------------------------------------------------
