@@ -325,18 +325,14 @@ def kernel_of_probe(d: int, trials: int = 7) -> float:
     the GEMV's GB/s over the probe's."""
     import torch._inductor.config as inductor_config
 
-    from zerospeed.inference.inject import DECODE_COMPILE_OPTIONS, _code_modules
-    from zerospeed.offload.hostmem import collapse_huge_pages
+    from zerospeed.inference.inject import DECODE_COMPILE_OPTIONS, _code_modules, constants_onto_huge_pages
 
     lin, x = torch.nn.Linear(d, VOCAB, bias=False), torch.randn(1, d)
     loaded = len(_code_modules())
     with torch.no_grad(), inductor_config.patch(freezing=True):
         gemv = torch.compile(lin, options=DECODE_COMPILE_OPTIONS)
         gemv(x)
-        for module in _code_modules()[loaded:]:
-            for value in vars(module).values():
-                if isinstance(value, torch.Tensor):
-                    collapse_huge_pages(value)
+        constants_onto_huge_pages(loaded)
         ratios = []
         for _ in range(trials):
             probe = statistics.median(read_probe(3))

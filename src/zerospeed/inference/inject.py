@@ -54,9 +54,9 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..offload.hostmem import HUGE_PAGE_BYTES, collapse_huge_pages
+from ..offload.hostmem import collapse_huge_pages
 
-__all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS"]
+__all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS", "constants_onto_huge_pages"]
 
 # inductor options of the decode step: those of mode "max-autotune-no-cudagraphs" (GEMM templates benchmarked
 # against the library's) plus the C++ wrapper (the kernels launched from C++, not from a Python function per call)
@@ -89,16 +89,12 @@ class FrozenCompiledCall:
         with torch.no_grad(), inductor_config.patch(freezing=self.freeze), attention:
             out = self.compiled(*args, **kwargs)
         if self.huge_pages:
-            self._onto_huge_pages(loaded, kwargs.get("past_key_values"))
+            constants_onto_huge_pages(loaded)
+            self._cache_onto_huge_pages(kwargs.get("past_key_values"))
         return out
 
-    def _onto_huge_pages(self, loaded: int, cache) -> None:
-        """After a call: the constants (frozen, packed weights) of every graph compiled during it, and once per
-        cache object the KV cache's tensors (allocated by the prefill), onto huge pages (`collapse_huge_pages`)."""
-        for module in _code_modules()[loaded:]:
-            for value in list(vars(module).values()):
-                if isinstance(value, torch.Tensor) and value.nbytes >= HUGE_PAGE_BYTES:
-                    collapse_huge_pages(value)
+    def _cache_onto_huge_pages(self, cache) -> None:
+        """Once per cache object, its keys and values (allocated by the prefill) onto huge pages."""
         if cache is not None and id(cache) not in self._caches_on_huge_pages:
             self._caches_on_huge_pages.add(id(cache))
             for layer in getattr(cache, "layers", ()):
@@ -116,6 +112,15 @@ def _code_modules() -> list:
         return PyCodeCache.modules
     except (ImportError, AttributeError):
         return []
+
+
+def constants_onto_huge_pages(since: int) -> None:
+    """The constants (frozen, packed weights) of every graph inductor loaded after the first `since`
+    (`len(_code_modules())` taken before compiling) onto huge pages (`collapse_huge_pages`)."""
+    for module in _code_modules()[since:]:
+        for value in list(vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                collapse_huge_pages(value)
 
 
 def _check_compiler(device: torch.device) -> None:
@@ -154,8 +159,7 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
                               huge_pages=on_cpu)
     if on_cpu and not freeze:  # the step reads the module's own weights
         for t in [*module.parameters(), *module.buffers()]:
-            if t.nbytes >= HUGE_PAGE_BYTES:
-                collapse_huge_pages(t)
+            collapse_huge_pages(t)
     module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
     module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
     return call
