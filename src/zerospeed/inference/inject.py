@@ -46,6 +46,7 @@ not carry to the graph capture). The prefill stays eager: time to first token is
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import types
 
@@ -103,15 +104,21 @@ class FrozenCompiledCall:
                         collapse_huge_pages(t)
 
 
+@functools.cache
+def _code_cache():
+    """inductor's `PyCodeCache` class, looked up once (the decode step asks on every token); None where this torch
+    has none."""
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return None
+    return PyCodeCache
+
+
 def _code_modules() -> list:
     """inductor's loaded output-code modules, in load order (a frozen graph's constants are their attributes);
     [] where this torch keeps them elsewhere (then nothing moves to huge pages)."""
-    try:
-        from torch._inductor.codecache import PyCodeCache
-
-        return PyCodeCache.modules
-    except (ImportError, AttributeError):
-        return []
+    return getattr(_code_cache(), "modules", [])
 
 
 def constants_onto_huge_pages(since: int) -> None:
