@@ -89,8 +89,14 @@ def _collapse_supported() -> bool:
 
 def test_collapse_moves_a_written_tensor_onto_huge_pages_in_place():
     """A 16 MiB tensor already written: its 2 MiB-aligned interior (>= 12 MiB) is on huge pages afterwards, at
-    the same address with the same values; what cannot be collapsed is refused without an error."""
-    t = torch.arange(4 * MB, dtype=torch.float32)
+    the same address with the same values; what cannot be collapsed is refused without an error. The tensor
+    lives in a fresh private anonymous mapping of its own (a torch allocation may reuse memory an earlier test left on
+    huge pages, and then nothing would be left to move)."""
+    import mmap
+
+    region = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(region, dtype=torch.float32)
+    t.copy_(torch.arange(4 * MB, dtype=torch.float32))
     want, ptr, before = t.clone(), t.data_ptr(), huge_page_bytes(t)
     supported = _collapse_supported()
     assert collapse_huge_pages(t) is supported
@@ -99,3 +105,4 @@ def test_collapse_moves_a_written_tensor_onto_huge_pages_in_place():
         assert huge_page_bytes(t) - before >= 12 * MB, (before, huge_page_bytes(t))
     assert collapse_huge_pages(torch.empty(16)) is False  # under 2 MiB
     assert collapse_huge_pages(torch.empty(4 * MB, device="meta")) is False
+    del t
