@@ -62,22 +62,25 @@ LAYOUTS = {"interleaved_1f1b": {"chunks": 2}, "zb_v": {"chunks": 2, "chunk_layou
 
 def pipe_runs(rank, world, cases, kind="plain"):
     out = {}
-    for schedule, stage, opt in cases:
+    for case, stage, opt in cases:
+        schedule, fused = case.removesuffix(":fused"), case.endswith(":fused")  # ":fused": autograd's backward
         block, clip = OPTIMIZERS[opt]
         module = PipelineModule(_layers("plain" if kind == "ckpt" else kind), num_stages=2, loss_fn=nn.MSELoss(),
                                 seed_layers=True, partition_method="uniform", **LAYOUTS.get(schedule, {}),
                                 activation_checkpoint_interval=2 if kind == "ckpt" else 0)
         engine, *_ = zerospeed.initialize(model=module, config={
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": block,
-            "gradient_clipping": clip, "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule}})
+            "gradient_clipping": clip, "zero_optimization": {"stage": stage},
+            "pipeline": {"schedule": schedule, **({"split_backward": False} if fused else {})}})
         assert engine.schedule_name == schedule
+        assert engine._split == (not fused and kind != "ckpt" or schedule in ("zb_h1", "zb_v", "dualpipev"))
         dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
         it = iter(_rank_batches(*_data(dp, kind), dp, dp_rank))
         losses, norms = [], []
         for _ in range(STEPS):
             losses.append(float(engine.train_batch(it)))
             norms.append(engine.get_global_grad_norm())
-        out[(schedule, stage, opt)] = {"losses": losses, "norms": norms, "dp": dp,
+        out[(case, stage, opt)] = {"losses": losses, "norms": norms, "dp": dp,
                              "state": {n: p.detach().clone() for n, p in module.named_parameters()}}
         engine.destroy()
     return out
@@ -104,12 +107,16 @@ def reference(opt, dp, kind="plain"):
 
 
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
-CASES = [(schedule, stage, opt) for schedule in SCHEDULES for stage in (0, 1, 2) for opt in OPTIMIZERS]
+# every backward runs split into its input- and weight-gradient passes by default ("split_backward": "auto");
+# "1f1b:fused" is 1F1B with autograd's fused backward ("split_backward": false)
+CASES = [(schedule, stage, opt) for schedule in SCHEDULES + ("1f1b:fused",) for stage in (0, 1, 2)
+         for opt in OPTIMIZERS]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_schedules_match_one_process(world):
-    """Every schedule (zb_h1: backward split into input- and weight-gradient passes) x ZeRO 0-2 x optimizer."""
+    """Every schedule (zb_h1: backward split into input- and weight-gradient passes; the others run each
+    backward's two passes back to back, and 1F1B also fused) x ZeRO 0-2 x optimizer."""
     results = run_distributed(pipe_runs, world, CASES, timeout=300)
     for (schedule, stage, opt) in CASES:
         ref_losses, ref_norms, ref_state = reference(opt, world // 2)

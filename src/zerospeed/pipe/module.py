@@ -406,7 +406,7 @@ class PipelineModule(nn.Module):
             inputs = x if isinstance(x, tuple) else (x,)
             out = self.activation_checkpoint_func(func, *inputs, **kwargs) if checkpointable else func(*inputs)
             if segments is not None:
-                segments.append(Segment(inputs, out, *self._segment_info(start, stop)))
+                segments.append(Segment(inputs, out, *self._segment_info(start, stop), recompute=checkpointable))
             x = out
         return x
 

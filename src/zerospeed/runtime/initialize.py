@@ -446,7 +446,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
     _warn_super_offload(cfg, engine)
     if pipeline:
-        engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties)
+        engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties,
+                              split_backward=cfg.pipeline.split_backward)
         engine.checkpoint_translation = engine.pipe_translation = PipeTranslation(model, ties)  # one for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep
