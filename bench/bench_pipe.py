@@ -34,6 +34,9 @@ torch.set_num_threads(1) per rank), per model x precision x micro-batch count m 
                            during this benchmark's writing). A zerospeed without DualPipeVModule (an older
                            --zerospeed-ref) makes that row "error: ... not built yet"; its target row then shows
                            zb_v ÷ DeepSpeed DualPipeV (the closest: the same V of 2 chunks per rank)
+    zerospeed 1f1b, fused  "zerospeed 1f1b" with "split_backward": false: autograd's fused backward (schedule
+    backward               name "1f1b_fused"; every other zerospeed row runs each backward as its input- and
+                           weight-gradient passes, zerospeed's default since this row was added)
     DeepSpeed 1F1B         deepspeed.pipe.PipelineModule -> PipelineEngine (TrainSchedule); seed_fn=
                            set_random_seed(int(seed)): with a "type:" partition DeepSpeed 0.19.8's stage bounds
                            are numpy integers, which random.seed refuses under seed_layers=True
@@ -77,7 +80,9 @@ training (and after its peak RSS is read), each rank timing the model stages it 
 under the contention of the pipeline's own two processes (the prediction the target is judged on), and (b) in
 the one-process launch, every stage of 2 and of 4 one after another (one core busy; a second column). A
 schedule's per-rank StageTimes sum its rank's model stages (2 stages: stage r; interleaved: r and r + 2; V: r
-and 3 - r); a schedule with a fused backward gets backward_input = the fused backward, backward_weight = 0;
+and 3 - r); zerospeed rows get the split times (every backward is split, `"split_backward"`), DeepSpeed's,
+"1f1b_fused"'s and torch's rows of a schedule without a split the fused ones (backward_input = the fused
+backward, backward_weight = 0);
 send latency: one activation message between the ranks, measured in each pipeline launch after training
 (half the median round trip of the activation tensor; `message_latency`). (c) A third column feeds the
 simulator the forward / backward / weight seconds per micro-batch timed inside the run itself (the compute
@@ -129,20 +134,24 @@ P = 2  # pipeline ranks (stages): the machine has 2 cores
 ADAM = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 ZS_SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
 # (label, system, schedule, world)
+# "1f1b_fused": zerospeed 1F1B with autograd's fused backward ("split_backward": false; the other rows split
+# every backward into its input- and weight-gradient passes, the default)
 CONFIGS = ([("one process", "reference", "-", 1)]
            + [(f"zerospeed {s}", "zerospeed", s, P) for s in ZS_SCHEDULES]
+           + [("zerospeed 1f1b, fused backward", "zerospeed", "1f1b_fused", P)]
            + [("DeepSpeed 1F1B", "deepspeed", "1f1b", P), ("DeepSpeed DualPipeV", "deepspeed", "dualpipev", P)]
            + [("torch 1F1B", "torch", "1f1b", P), ("torch Interleaved1F1B", "torch", "interleaved_1f1b", P),
               ("torch ZBVZeroBubble", "torch", "zb_v", P), ("torch DualPipeV", "torch", "dualpipev", P)])
 SYSTEMS = ("reference", "zerospeed", "deepspeed", "torch")
-ALL_SCHEDULES = ("-",) + ZS_SCHEDULES
+ALL_SCHEDULES = ("-",) + ZS_SCHEDULES + ("1f1b_fused",)
 # the zerospeed schedule whose order a row runs (for the simulator); None: no zerospeed counterpart
-SIM_SCHEDULE = {("zerospeed", s): s for s in ZS_SCHEDULES} | {
+SIM_SCHEDULE = {("zerospeed", s): s for s in ZS_SCHEDULES} | {("zerospeed", "1f1b_fused"): "1f1b",
     ("deepspeed", "1f1b"): "1f1b", ("deepspeed", "dualpipev"): "dualpipev", ("torch", "1f1b"): "1f1b",
     ("torch", "interleaved_1f1b"): "interleaved_1f1b", ("torch", "zb_v"): "zb_v", ("torch", "dualpipev"): "dualpipev"}
 # (chunks per rank, chunk layout) of each schedule (zerospeed.pipe.schedule.SCHEDULE_LAYOUTS' layouts)
 LAYOUT = {"1f1b": (1, "interleaved"), "gpipe": (1, "interleaved"), "zb_h1": (1, "interleaved"),
-          "interleaved_1f1b": (2, "interleaved"), "zb_v": (2, "v"), "dualpipev": (2, "v")}
+          "interleaved_1f1b": (2, "interleaved"), "zb_v": (2, "v"), "dualpipev": (2, "v"),
+          "1f1b_fused": (1, "interleaved")}
 QUICK = {"mlp_layers": 8, "mlp_hidden": 256, "mlp_ffn": 384, "micro_batch": 8, "gpt_size": "tiny", "gpt_layers": 4,
          "gpt_micro_batch": 2, "steps": 2, "warmup": 1, "repeats": 1, "microbatches": "4", "profile_reps": 2,
          "timeout": 300.0}
@@ -406,7 +415,10 @@ class ZeroSpeedRunner:
                                           chunk_layout=layout, **common)
         _reseed(module, args)
         self.n_params = sum(p.numel() for p in module.parameters())
-        cfg = _ds_config(args, micro_batch_of(args, kind), m, False, {"pipeline": {"schedule": args.schedule}})
+        pipeline = {"schedule": args.schedule.removesuffix("_fused")}
+        if args.schedule.endswith("_fused"):
+            pipeline["split_backward"] = False
+        cfg = _ds_config(args, micro_batch_of(args, kind), m, False, {"pipeline": pipeline})
         self.engine, *_ = zerospeed.initialize(model=module, config=cfg)
         # timing wrappers (the engine looks these up at call time): no change to the engine's code
         for name, what in (("backward_fused", "backward"), ("backward_input", "backward"),
@@ -853,15 +865,16 @@ def simulate_times(name: str, m: int, forward, backward, weight, latency: float 
 
 
 def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0,
-                 overhead: float = 0.0, pass_overhead: float = 0.0):
+                 overhead: float = 0.0, pass_overhead: float = 0.0, split_backward: bool = False):
     """`simulate_times` from per-model-stage times (`time_stage`), summed per rank over its model stages; the
-    split times for a split schedule unless `fused` (a system that keeps W inside its backward: DeepSpeed)."""
+    split times for a split schedule or `split_backward` (zerospeed's default: every backward as its two
+    passes) unless `fused` (a system that keeps W inside its backward: DeepSpeed)."""
     from zerospeed.pipe.schedule import BackwardInput
 
     n, _ = held_stages(name, 0)
     rows = stage_times[str(n)]
     held = {r: held_stages(name, r)[1] for r in range(P)}
-    split = any(isinstance(a, BackwardInput) for acts in _plan(name, m).values() for a in acts)
+    split = split_backward or any(isinstance(a, BackwardInput) for acts in _plan(name, m).values() for a in acts)
 
     def per_rank(key):
         return [sum(rows[s][key] for s in held[r]) for r in range(P)]
@@ -964,7 +977,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
         if not sim:
             continue
         try:  # stage times profiled in this launch (both ranks busy); the one process's; the run's own calls
-            fused = row["system"] == "deepspeed"
+            # which stage times: zerospeed splits every backward (but "1f1b_fused"); DeepSpeed fuses them
+            fused = row["system"] == "deepspeed" or row["schedule"] == "1f1b_fused"
             latency = row.get("send_latency_s") or 0.0  # measured in the launch; 0 in runs from before
             overhead = row.get("send_overhead_s") or 0.0  # zerospeed's sends, timed in the run; 0 for the others
             if row["system"] == "zerospeed":
@@ -974,11 +988,13 @@ def aggregate(runs: list[dict]) -> list[dict]:
                                                         r["status"] == "ok"], sim)
             per_pass = row.get("pass_overhead_s") or 0.0
             if row.get("stage_times"):
-                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead, per_pass)
+                step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead, per_pass,
+                                            row["system"] == "zerospeed")
                 row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
                 row["sim_error"] = step / row["pipeline_s"] - 1.0
             if ref and ref.get("stage_times"):
-                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead, per_pass)
+                step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead, per_pass,
+                                       row["system"] == "zerospeed")
                 row["sim_ref_pipeline_s"], row["sim_ref_error"] = step, step / row["pipeline_s"] - 1.0
             if row.get("in_run_times"):
                 step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency, overhead, per_pass)
