@@ -36,7 +36,7 @@ torch.set_num_threads(1) per rank), per model x precision x micro-batch count m 
                            zb_v ÷ DeepSpeed DualPipeV (the closest: the same V of 2 chunks per rank)
     zerospeed 1f1b, fused  "zerospeed 1f1b" with "split_backward": false: autograd's fused backward (schedule
     backward               name "1f1b_fused"; every other zerospeed row runs each backward as its input- and
-                           weight-gradient passes, zerospeed's default since this row was added)
+                           weight-gradient passes in fp32, zerospeed's default since this row was added)
     DeepSpeed 1F1B         deepspeed.pipe.PipelineModule -> PipelineEngine (TrainSchedule); seed_fn=
                            set_random_seed(int(seed)): with a "type:" partition DeepSpeed 0.19.8's stage bounds
                            are numpy integers, which random.seed refuses under seed_layers=True
@@ -80,9 +80,9 @@ training (and after its peak RSS is read), each rank timing the model stages it 
 under the contention of the pipeline's own two processes (the prediction the target is judged on), and (b) in
 the one-process launch, every stage of 2 and of 4 one after another (one core busy; a second column). A
 schedule's per-rank StageTimes sum its rank's model stages (2 stages: stage r; interleaved: r and r + 2; V: r
-and 3 - r); zerospeed rows get the split times (every backward is split, `"split_backward"`), DeepSpeed's,
-"1f1b_fused"'s and torch's rows of a schedule without a split the fused ones (backward_input = the fused
-backward, backward_weight = 0);
+and 3 - r); zerospeed's fp32 rows get the split times (every backward is split, `"split_backward"`), the
+other rows of a schedule without a split (DeepSpeed's, "1f1b_fused", bf16, torch's) the fused ones
+(backward_input = the fused backward, backward_weight = 0);
 send latency: one activation message between the ranks, measured in each pipeline launch after training
 (half the median round trip of the activation tensor; `message_latency`). (c) A third column feeds the
 simulator the forward / backward / weight seconds per micro-batch timed inside the run itself (the compute
@@ -864,6 +864,12 @@ def simulate_times(name: str, m: int, forward, backward, weight, latency: float 
     return res.step_time, res.bubble_fraction
 
 
+def splits_every_backward(row: dict) -> bool:
+    """Whether a row's engine runs every backward as its two passes: zerospeed's "split_backward": "auto" in
+    fp32 (the bench runs ZeRO 0), except the "1f1b_fused" row."""
+    return row["system"] == "zerospeed" and row["precision"] == "fp32" and row["schedule"] != "1f1b_fused"
+
+
 def simulate_row(stage_times: dict, name: str, m: int, fused: bool = False, latency: float = 0.0,
                  overhead: float = 0.0, pass_overhead: float = 0.0, split_backward: bool = False):
     """`simulate_times` from per-model-stage times (`time_stage`), summed per rank over its model stages; the
@@ -989,12 +995,12 @@ def aggregate(runs: list[dict]) -> list[dict]:
             per_pass = row.get("pass_overhead_s") or 0.0
             if row.get("stage_times"):
                 step, bubble = simulate_row(row["stage_times"], sim, row["m"], fused, latency, overhead, per_pass,
-                                            row["system"] == "zerospeed")
+                                            splits_every_backward(row))
                 row["sim_pipeline_s"], row["sim_bubble"] = step, bubble
                 row["sim_error"] = step / row["pipeline_s"] - 1.0
             if ref and ref.get("stage_times"):
                 step, _ = simulate_row(ref["stage_times"], sim, row["m"], fused, latency, overhead, per_pass,
-                                       row["system"] == "zerospeed")
+                                       splits_every_backward(row))
                 row["sim_ref_pipeline_s"], row["sim_ref_error"] = step, step / row["pipeline_s"] - 1.0
             if row.get("in_run_times"):
                 step, bubble = simulate_times(sim, row["m"], *row["in_run_times"], latency, overhead, per_pass)

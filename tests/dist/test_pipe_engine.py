@@ -73,7 +73,9 @@ def pipe_runs(rank, world, cases, kind="plain"):
             "gradient_clipping": clip, "zero_optimization": {"stage": stage},
             "pipeline": {"schedule": schedule, **({"split_backward": False} if fused else {})}})
         assert engine.schedule_name == schedule
-        assert engine._split == (not fused and kind != "ckpt" or schedule in ("zb_h1", "zb_v", "dualpipev"))
+        # "split_backward": "auto" splits every backward in fp32 at ZeRO 0-1 without checkpointing
+        assert engine._split == (schedule in ("zb_h1", "zb_v", "dualpipev")
+                                 or not fused and kind != "ckpt" and stage <= 1)
         dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
         it = iter(_rank_batches(*_data(dp, kind), dp, dp_rank))
         losses, norms = [], []
@@ -107,8 +109,8 @@ def reference(opt, dp, kind="plain"):
 
 
 SCHEDULES = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipev")
-# every backward runs split into its input- and weight-gradient passes by default ("split_backward": "auto");
-# "1f1b:fused" is 1F1B with autograd's fused backward ("split_backward": false)
+# in fp32 at ZeRO 0-1 every backward runs split into its input- and weight-gradient passes by default
+# ("split_backward": "auto"); "1f1b:fused" is 1F1B with autograd's fused backward ("split_backward": false)
 CASES = [(schedule, stage, opt) for schedule in SCHEDULES + ("1f1b:fused",) for stage in (0, 1, 2)
          for opt in OPTIMIZERS]
 
@@ -116,7 +118,8 @@ CASES = [(schedule, stage, opt) for schedule in SCHEDULES + ("1f1b:fused",) for 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_schedules_match_one_process(world):
     """Every schedule (zb_h1: backward split into input- and weight-gradient passes; the others run each
-    backward's two passes back to back, and 1F1B also fused) x ZeRO 0-2 x optimizer."""
+    backward's two passes back to back at ZeRO 0-1, fused at 2; 1F1B also fused throughout) x ZeRO 0-2 x
+    optimizer."""
     results = run_distributed(pipe_runs, world, CASES, timeout=300)
     for (schedule, stage, opt) in CASES:
         ref_losses, ref_norms, ref_state = reference(opt, world // 2)
@@ -412,10 +415,14 @@ def fp16_run(rank, world, num_stages, schedule):
 def test_pipeline_fp16_loss_scaling_matches_one_stage(schedule):
     """fp16 with dynamic loss scaling from 2^17: the first two steps overflow, the scale halves, trains, doubles
     after loss_scale_window=2 good steps and overflows again; every stage skips the same steps together (the
-    overflow decided over the world) and losses, skips and scales equal a one-stage run's exactly."""
+    overflow decided over the world) and skips and scales equal a one-stage run's exactly, losses too for 1F1B
+    (fused backward in fp16); with the split (zb_h1, zb_v) a linear layer's weight gradient accumulates over
+    micro-batches in one GEMM (`addmm_`: one fp16 rounding, not two), so its losses equal to 1e-3 relative."""
     one = run_distributed(fp16_run, 1, 1, "1f1b", timeout=300)[0]
     for got in run_distributed(fp16_run, 2, 2, schedule, timeout=300):
-        assert got == one, (schedule, got, one)
+        assert [g[1:] for g in got] == [o[1:] for o in one], (schedule, got, one)
+        tol = 0 if schedule == "1f1b" else 1e-3
+        assert all(abs(g[0] - o[0]) <= tol * abs(o[0]) for g, o in zip(got, one)), (schedule, got, one)
     assert [(skipped, scale) for _, skipped, scale in one] == [(1, 2 ** 16), (2, 2 ** 15), (2, 2 ** 15), (2, 2 ** 15),
                                                               (2, 2 ** 16), (3, 2 ** 15)], one
     ref_losses, _, _ = reference("adamw-clip", 1)

@@ -262,6 +262,16 @@ def _is_pipeline(model) -> bool:
     return isinstance(model, PipelineModule)
 
 
+def _split_backward(cfg: ZeroSpeedConfig, model) -> bool:
+    """`pipeline.split_backward` resolved: "auto" splits where it measured faster on this CPU - gradients kept
+    in `.grad` in the parameters' dtype across micro-batches (no fp16/bf16, ZeRO 0 or 1), so a linear layer's
+    weight gradient accumulates there in one GEMM - and no activation checkpointing (see the config key)."""
+    split = cfg.pipeline.split_backward
+    if split != "auto":
+        return split
+    return cfg.precision == "fp32" and cfg.zero_optimization.stage <= 1 and not model.activation_checkpoint_interval
+
+
 def _pipeline_schedule(cfg: ZeroSpeedConfig, model) -> str:
     """The config's pipeline.schedule; unset: "dualpipev" for a DualPipeVModule (DeepSpeed runs it with its
     DualPipeVEngine), else "1f1b"."""
@@ -447,7 +457,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     _warn_super_offload(cfg, engine)
     if pipeline:
         engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties,
-                              split_backward=cfg.pipeline.split_backward)
+                              split_backward=_split_backward(cfg, model))
         engine.checkpoint_translation = engine.pipe_translation = PipeTranslation(model, ties)  # one for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep

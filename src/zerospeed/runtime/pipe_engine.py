@@ -16,8 +16,8 @@ model stage); `eval_batch` runs the forwards of the same schedule:
   group (`pipe.p2p.ActivationLink`: sends asynchronous, shapes exchanged once); before each computation the
   receives the next one needs are posted (`pipe.p2p.ReceiveAhead`), so their transfer overlaps it.
 * `Backward` is the backward of a micro-batch, `BackwardInput` / `BackwardWeight` its two halves
-  (`pipe.backward_split`); with `"split_backward"` (by default, unless activations are checkpointed) a
-  `Backward` runs as the two halves back to back, else as autograd's fused backward.
+  (`pipe.backward_split`); with `"split_backward"` (by default in fp32 at ZeRO 0-1 without activation
+  checkpointing) a `Backward` runs as the two halves back to back, else as autograd's fused backward.
 * the data-parallel reduction: stage 0/1 arm it for the trailing run of each stage's final weight-gradient
   pass (1F1B: the last micro-batch's backward), so it overlaps that backward and gradients accumulate locally
   before it; stage 2 reduce-scatters at every weight-gradient pass (DeepSpeed refuses ZeRO 2 with pipelines).
@@ -62,7 +62,7 @@ class PipelineEngine(ZeroSpeedEngine):
     """The engine for a `PipelineModule` (built by `zerospeed.initialize`). Use `train_batch(data_iter)`;
     `forward`, `backward` and `step` raise (as DeepSpeed's PipelineEngine)."""
 
-    def _init_pipeline(self, pipe_group, schedule: str = "1f1b", ties=None, split_backward="auto") -> None:
+    def _init_pipeline(self, pipe_group, schedule: str = "1f1b", ties=None, split_backward: bool = False) -> None:
         self.pipe_group = pipe_group
         self._ties = ties
         if ties:
@@ -79,8 +79,7 @@ class PipelineEngine(ZeroSpeedEngine):
             raise RuntimeError(f"schedule {schedule!r} places model stages {self._rank_of} differently from the "
                                f"PipelineModule's layout {module.chunk_layout!r}")
         self._actions = plan[self.stage_id]
-        self._split = any(isinstance(a, BackwardInput) for a in self._actions) or split_backward is True or (
-            split_backward == "auto" and not module.activation_checkpoint_interval)
+        self._split = split_backward or any(isinstance(a, BackwardInput) for a in self._actions)
         self._window = reduction_window(self._actions)
         self._last_model_stage = len(self._rank_of) - 1
         self._link = ActivationLink(pipe_group, self.device, self.stage_id, self.comms_logger,
