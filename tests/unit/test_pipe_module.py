@@ -315,3 +315,26 @@ def test_bad_layers_are_explained():
     with pytest.raises(RuntimeError):      # DeepSpeed raises RuntimeError / NotImplementedError here
         PipelineModule(_linear_specs(), num_stages=2, stage_id=0, partition_method="bogus")
     assert PipelineModule(_linear_specs(), topology=PipeDataParallelTopology(2, 1), stage_id=1).stage_id == 1
+
+
+def test_set_random_seed_seeds_as_torch_manual_seed_does():
+    """The layer seeding (`seed_layers=True`, DeepSpeed's `set_random_seed`) leaves Python's, numpy's and torch's
+    generators where `random.seed` / `numpy.random.seed` / `torch.manual_seed` would (without the lazy seeds
+    torch.manual_seed queues, with a stack trace each, for device types not available)."""
+    import numpy
+
+    from zerospeed.pipe.spec import set_random_seed
+
+    def draw():
+        return random.random(), float(numpy.random.rand()), torch.rand(3).tolist(), torch.randn(2).tolist()
+
+    for seed in (0, 1234, 2 ** 40 + 7):
+        random.seed(seed)
+        numpy.random.seed(seed % 2 ** 32)
+        torch.manual_seed(seed)
+        want = draw()
+        torch.manual_seed(seed + 1)  # move every generator away
+        random.seed(seed + 1)
+        numpy.random.seed((seed + 1) % 2 ** 32)
+        set_random_seed(seed)
+        assert draw() == want, seed
