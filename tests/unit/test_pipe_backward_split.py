@@ -14,7 +14,7 @@ from zerospeed.testing.models import ApplyMask, Block, GPTConfig, WithMask
 
 
 def _layers(kind):
-    if kind == "blocks":  # transformer blocks (residuals, LayerNorm, attention): one segment each, with capture
+    if kind == "blocks":  # transformer blocks (residuals, LayerNorm, attention): one segment each
         cfg = GPTConfig(d_model=8, n_head=2)
         return [LayerSpec(Block, cfg), LayerSpec(Block, cfg), LayerSpec(nn.Linear, 8, 4)]
     if kind == "tuple":
@@ -107,3 +107,36 @@ def test_weight_pass_accumulates_over_microbatches_and_fires_hooks(dtype, tol):
     for name, grad in _grads(module).items():
         err = ((grad.float() - fused[name].float()).abs().max() / fused[name].float().abs().max()).item()
         assert err <= tol, (name, err)
+
+
+def _tied_head(module, x):
+    return x @ module.weight  # (rows, 32) @ (32, 8): the embedding's weight used as the head
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_weight_tied_within_a_stage_is_accumulated_once_per_backward(input_grad):
+    """An embedding and a head sharing one weight on one stage: W sums the two contributions before accumulating,
+    so the weight's post-accumulate-grad hook fires once per micro-batch (as with autograd's fused backward, which
+    sums them; a reducing ZeRO hook refuses a second gradient in one backward) and the gradient equals the fused
+    one to rounding. With input_grad=False the embedding's W starts from its output (autograd), the head's is a
+    one-GEMM linear pass."""
+    from zerospeed.pipe import TiedLayerSpec
+    layers = [TiedLayerSpec("embed", nn.Linear, 8, 32, bias=False), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 32, 32),
+              TiedLayerSpec("embed", nn.Linear, 8, 32, bias=False, forward_fn=_tied_head)]
+    module = PipelineModule(layers, num_stages=1, seed_layers=True, stage_id=0)
+    calls: list = []
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append(name))
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    gs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(10 + i)) for i in range(2)]
+    for x, g in zip(xs, gs):
+        backward_fused(module(x.requires_grad_(input_grad)), (g,))
+    fused, fused_calls = _grads(module), sorted(calls)
+    module.zero_grad(set_to_none=True)
+    calls.clear()
+    for x, g in zip(xs, gs):
+        _, segments = module.forward_segments(x.detach().requires_grad_(input_grad))
+        backward_weight(backward_input(segments, (g,))[0])
+    assert sorted(calls) == fused_calls and fused_calls.count("tied_modules.embed.weight") == 2, calls
+    for name, grad in _grads(module).items():
+        assert torch.allclose(grad, fused[name], rtol=1e-6, atol=1e-7), name

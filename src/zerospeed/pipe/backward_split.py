@@ -27,7 +27,7 @@ gradient, which on a CPU reading ~17 GB/s costs more than the product (8 Linear(
 bits); later ones differ from `grad += mm(...)` by rounding only (in bf16, one rounding instead of two). This is
 torch.distributed.pipelining's `stage_backward_input` / `stage_backward_weight` algorithm (its
 `get_param_groups`), redone with public autograd calls (`Node.register_prehook`, `GradientEdge`) and with W
-accumulating through autograd, not assigning `.grad`, so the hooks fire. A parameter whose gradient does
+accumulating into `.grad` (through autograd, or the linear GEMM above), not assigning it, so the hooks fire. A parameter whose gradient does
 not depend on the segment's input (none, on the first stage's first segment) makes W start from the output.
 
 The values equal a fused backward's (the same products, summed in the same order per parameter; accumulating
@@ -51,13 +51,11 @@ __all__ = ["Segment", "LinearWeights", "PendingWeights", "detach_input", "backwa
 class Segment:
     """One piece of a stage's forward: `inputs` are the detached leaves it started from (as a tuple, the
     floating ones requiring grad), `output` what it returned, `params` the trainable parameters it used,
-    `capture`: it holds more than one leaf module with parameters (B keeps intermediate gradients for any
-    segment; this flag is informational), `recompute`: it runs under activation checkpointing (its saved
-    tensors are recomputed on unpacking, so W goes through autograd)."""
+    `recompute`: it runs under activation checkpointing (its saved tensors are recomputed on unpacking, so W
+    goes through autograd)."""
     inputs: tuple
     output: Activation
     params: list[torch.nn.Parameter]
-    capture: bool = False
     recompute: bool = False
 
 
@@ -160,8 +158,9 @@ def backward_fused(output: Activation, grads) -> None:
 def backward_input(segments: list[Segment], grads) -> tuple[PendingWeights, tuple | None]:
     """B: from the gradient of the last segment's output (None: the output is the loss), the gradient of the
     first segment's inputs, set as their `.grad` and returned as a tuple (None if they need none); what W
-    needs is kept for `backward_weight` (the output gradients, or for a segment with `capture` the gradients
-    at its intermediate nodes). Each segment's graph is kept only if W will need it (it has parameters)."""
+    needs is kept for `backward_weight` (the gradients at each segment's intermediate nodes, a linear layer's
+    as a `LinearWeights`; the output gradients where a parameter's gradient does not depend on the segment's
+    input). Each segment's graph is kept only if W may need it (it has parameters)."""
     pending = PendingWeights()
     for seg in reversed(segments):
         outs, gs = _differentiable(seg.output, grads)
@@ -267,13 +266,45 @@ def _linear_weight_pass(item: LinearWeights) -> None:
         _accumulate(item.bias, lambda: dy.sum(0), lambda g: g.add_(dy.sum(0)))
 
 
+def _params_of(item) -> list:
+    return [p for p in (item.weight, item.bias) if p is not None] if isinstance(item, LinearWeights) else item[2]
+
+
+def _contributions(item) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, its gradient from this item) without accumulating anything (no hook fires)."""
+    if isinstance(item, LinearWeights):
+        out = [(item.weight, torch.mm(item.dy.t(), item.x))]
+        return out + ([(item.bias, item.dy.sum(0))] if item.bias is not None else [])
+    starts, gs, params = item
+    grads = torch.autograd.grad(starts, params, gs, retain_graph=True, allow_unused=True)
+    return [(p, g) for p, g in zip(params, grads) if g is not None]
+
+
 def backward_weight(pending: PendingWeights) -> None:
     """W: the weight gradients B left pending, accumulated into `.grad` (hooks fire), one group after another
-    (each from its own starting points, so no group's backward walks into another's)."""
+    (each from its own starting points, so no group's backward walks into another's). A parameter used by more
+    than one segment (a weight tied within the stage: an embedding and the head) gets its contributions summed
+    first and accumulated once, so its hooks fire once, as in a fused backward (where autograd sums them)."""
+    counts: dict[int, int] = {}
     for item in pending.items:
-        if isinstance(item, LinearWeights):
-            _linear_weight_pass(item)
-        else:
-            starts, gs, params = item
-            torch.autograd.backward(starts, gs, inputs=params, retain_graph=True)
+        for p in _params_of(item):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    summed: dict[int, list] = {}  # id -> [parameter, summed gradient] of the parameters used more than once
+    for item in pending.items:
+        if all(counts[id(p)] == 1 for p in _params_of(item)):
+            if isinstance(item, LinearWeights):
+                _linear_weight_pass(item)
+            else:
+                starts, gs, params = item
+                torch.autograd.backward(starts, gs, inputs=params, retain_graph=True)
+            continue
+        for p, g in _contributions(item):
+            if counts[id(p)] == 1:
+                _accumulate(p, lambda g=g: g, lambda acc, g=g: acc.add_(g))
+            elif id(p) in summed:
+                summed[id(p)][1] = summed[id(p)][1] + g
+            else:
+                summed[id(p)] = [p, g]
+    for p, g in summed.values():
+        _accumulate(p, lambda g=g: g, lambda acc, g=g: acc.add_(g))
     pending.items.clear()

@@ -125,7 +125,7 @@ class PipelineModule(nn.Module):
         self._checkpointable_cache: tuple[int, list[bool]] | None = None
         # forward_funcs ranges -> (trainable parameters, compound) and -> split-backward runs: fixed once built
         # (the trainable set is fixed at initialize, as the ZeRO strategy's), so not recomputed per micro-batch
-        self._segment_cache: dict[tuple[int, int], tuple[list, bool]] = {}
+        self._segment_cache: dict[tuple[int, int], list] = {}
         self._runs_cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._build()
         self.tied_stage_map = self._index_tied_stages()
@@ -406,7 +406,7 @@ class PipelineModule(nn.Module):
             inputs = x if isinstance(x, tuple) else (x,)
             out = self.activation_checkpoint_func(func, *inputs, **kwargs) if checkpointable else func(*inputs)
             if segments is not None:
-                segments.append(Segment(inputs, out, *self._segment_info(start, stop), recompute=checkpointable))
+                segments.append(Segment(inputs, out, self._segment_info(start, stop), recompute=checkpointable))
             x = out
         return x
 
@@ -415,25 +415,15 @@ class PipelineModule(nn.Module):
         without checkpointing: one weighted layer with the parameter-free ones after it, e.g. Linear + ReLU,
         so W's few element-wise recomputations replace an autograd call per activation layer)."""
         if (lo, hi) not in self._runs_cache:
-            starts = [i for i in range(lo, hi) if i == lo or self._segment_info(i, i + 1)[0]]
+            starts = [i for i in range(lo, hi) if i == lo or self._segment_info(i, i + 1)]
             self._runs_cache[lo, hi] = list(zip(starts, starts[1:] + [hi]))
         return self._runs_cache[lo, hi]
 
-    def _segment_info(self, start: int, stop: int) -> tuple[list, bool]:
-        """(`_segment_params`, `_compound`) of forward_funcs[start:stop], computed once per range."""
+    def _segment_info(self, start: int, stop: int) -> list[torch.nn.Parameter]:
+        """`_segment_params` of forward_funcs[start:stop], computed once per range."""
         if (start, stop) not in self._segment_cache:
-            self._segment_cache[start, stop] = (self._segment_params(start, stop), self._compound(start, stop))
+            self._segment_cache[start, stop] = self._segment_params(start, stop)
         return self._segment_cache[start, stop]
-
-    def _compound(self, start: int, stop: int) -> bool:
-        """Whether forward_funcs[start:stop] hold more than one module with parameters of its own (a block,
-        several layers): their split backward keeps intermediate gradients (`pipe.backward_split`)."""
-        weighted = 0
-        for f in self.forward_funcs[start:stop]:
-            module = f.args[0] if isinstance(f, partial) and f.args and isinstance(f.args[0], nn.Module) else f
-            if isinstance(module, nn.Module):
-                weighted += sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
-        return weighted > 1 or any(isinstance(f, partial) for f in self.forward_funcs[start:stop])
 
     def _segment_params(self, start: int, stop: int) -> list[torch.nn.Parameter]:
         """The distinct trainable parameters of forward_funcs[start:stop] (a tied module's too)."""
