@@ -666,7 +666,9 @@ def worker(args) -> int:
             all_gather_floats(v) for v in (step_s, opt_s, span_s, losses, send_s, sends, recv_s))
         kinds_r = {k: all_gather_floats(v) for k, v in kind_s.items()}  # [rank][step]
         per_rank = all_gather_floats([rss, float(runner.n_params)])
-        result = {"status": "ok", "n_params": int(sum(r[1] for r in per_rank)),
+        # whether the engine ran every backward as its two passes (zerospeed's "split_backward", as resolved)
+        split = getattr(getattr(runner, "engine", None), "_split", False) is True
+        result = {"status": "ok", "n_params": int(sum(r[1] for r in per_rank)), "split_backward": split,
                   "step_s": [max(r[i] for r in steps_r) for i in range(total)],
                   # the pipeline: from the step's start (after a barrier) to the last rank's optimizer step
                   "pipeline_s": [max(r[i] for r in span_r) for i in range(total)],
@@ -865,8 +867,10 @@ def simulate_times(name: str, m: int, forward, backward, weight, latency: float 
 
 
 def splits_every_backward(row: dict) -> bool:
-    """Whether a row's engine runs every backward as its two passes: zerospeed's "split_backward": "auto" in
-    fp32 (the bench runs ZeRO 0), except the "1f1b_fused" row."""
+    """Whether a row's engine ran every backward as its two passes (recorded by the worker from the zerospeed
+    engine; runs from before it was recorded: zerospeed's "auto" rule then, fp32 at ZeRO 0 but "1f1b_fused")."""
+    if "split_backward" in row:
+        return row["split_backward"]
     return row["system"] == "zerospeed" and row["precision"] == "fp32" and row["schedule"] != "1f1b_fused"
 
 
@@ -969,6 +973,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
             if ranks > 1 and "forward_s" in ok[0]:
                 row["in_run_times"] = in_run_times(ok)
             row["send_overhead_s"] = send_overhead(ok)
+            if "split_backward" in ok[0]:
+                row["split_backward"] = ok[0]["split_backward"]
         rows.append(row)
     by = {(r["model"], r["precision"], r["m"], r["label"]): r for r in rows if r["status"] == "ok"}
     for row in rows:

@@ -68,6 +68,10 @@ class LinearWeights:
     x: torch.Tensor
     dy: torch.Tensor
 
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
 
 @dataclass
 class PendingWeights:
@@ -235,7 +239,8 @@ def _linear_weights(node, saved: dict, params: list) -> LinearWeights | None:
     dy = (saved.get(node) or (None,))[0]
     if weight is None or (bias_node is not None and bias is None) or dy is None or x is None:
         return None
-    mine = [weight] if bias is None else [weight, bias]
+    item = LinearWeights(weight, bias, x, dy)
+    mine = item.params
     if len(params) != len(mine) or any(not any(p is q for q in mine) for p in params):
         return None
     if any(getattr(p, "_backward_hooks", None) for p in mine) or not hasattr(weight, "_post_accumulate_grad_hooks"):
@@ -243,7 +248,7 @@ def _linear_weights(node, saved: dict, params: list) -> LinearWeights | None:
     if x.dim() != 2 or dy.dim() != 2 or x.dtype != weight.dtype or dy.dtype != weight.dtype \
             or tuple(weight.shape) != (dy.shape[1], x.shape[1]):
         return None
-    return LinearWeights(weight, bias, x, dy)
+    return item
 
 
 def _accumulate(p: torch.nn.Parameter, make, add) -> None:
@@ -267,14 +272,13 @@ def _linear_weight_pass(item: LinearWeights) -> None:
 
 
 def _params_of(item) -> list:
-    return [p for p in (item.weight, item.bias) if p is not None] if isinstance(item, LinearWeights) else item[2]
+    return item.params if isinstance(item, LinearWeights) else item[2]
 
 
 def _contributions(item) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(parameter, its gradient from this item) without accumulating anything (no hook fires)."""
     if isinstance(item, LinearWeights):
-        out = [(item.weight, torch.mm(item.dy.t(), item.x))]
-        return out + ([(item.bias, item.dy.sum(0))] if item.bias is not None else [])
+        return list(zip(item.params, (torch.mm(item.dy.t(), item.x), item.dy.sum(0))))
     starts, gs, params = item
     grads = torch.autograd.grad(starts, params, gs, retain_graph=True, allow_unused=True)
     return [(p, g) for p, g in zip(params, grads) if g is not None]
