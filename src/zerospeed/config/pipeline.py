@@ -56,4 +56,5 @@ class PipelineConfig(ConfigModel):
     `.grad` persists across micro-batches; "auto" splits only there: fp32 (no fp16/bf16) at ZeRO 0 or 1, and no
     activation checkpointing (whose recomputation the split does not speed up). Measured on this CPU (one
     process, an 8-layer MLP stage, 8 micro-batches, interleaved medians): fp32 ZeRO 0/1 0.87-0.94x the fused
-    step time; bf16 ZeRO 0/1 and fp32 ZeRO 2 0.98-1.01x; bf16 ZeRO 2 1.09-1.16x (slower)."""
+    step time; bf16 ZeRO 0/1 and fp32 ZeRO 2 0.98-1.01x; bf16 ZeRO 2 1.09-1.16x (slower; 1.03-1.06x since
+    ``retain_freed_host_memory`` stopped its freed memory being faulted in again every micro-batch)."""

@@ -8,7 +8,7 @@ raises pydantic's ValidationError instead of ConfigError).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -99,6 +99,13 @@ class ZeroSpeedConfig(ConfigModel):
     seed: Optional[int] = None
     """zerospeed extension (not a DeepSpeed key): if set, ``initialize`` seeds torch with it and
     the engine-built dataloader shuffles with it. None = leave the RNGs alone."""
+    retain_freed_host_memory: Union[Literal["auto"], bool] = "auto"
+    """zerospeed extension: set glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at ``initialize`` so
+    memory a step frees is reused by the next instead of returned to the kernel and faulted in again
+    (`zerospeed.runtime.host_malloc`; process-wide; the resident set then stays near its peak between steps).
+    "auto" (default): when the model trains on the host (no accelerator) without parameter or optimizer offload
+    (whose runs budget host memory); True / False: always / never. Nothing changes off glibc or when the
+    environment already tunes malloc (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``)."""
     prescale_gradients: bool = False
     """Divide gradients by gradient_predivide_factor before the all-reduce (rest after)."""
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
