@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zerospeed.config import ZeroSpeedConfig, load_config
-from zerospeed.runtime.initialize import _retain_freed_host_memory
+from zerospeed.runtime.host_malloc import retain_wanted
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc's thresholds")
 
@@ -62,13 +62,13 @@ def _cfg(**extra) -> ZeroSpeedConfig:
 
 def test_auto_retains_on_the_host_without_offload():
     host = torch.device("cpu")
-    assert _retain_freed_host_memory(_cfg(), host)
+    assert retain_wanted(_cfg(), host)
     offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
-    assert not _retain_freed_host_memory(_cfg(**offload), host)
+    assert not retain_wanted(_cfg(**offload), host)
     optimizer = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    assert not _retain_freed_host_memory(_cfg(**optimizer), host)
-    assert _retain_freed_host_memory(_cfg(retain_freed_host_memory=True, **offload), host)
-    assert not _retain_freed_host_memory(_cfg(retain_freed_host_memory=False), host)
+    assert not retain_wanted(_cfg(**optimizer), host)
+    assert retain_wanted(_cfg(retain_freed_host_memory=True, **offload), host)
+    assert not retain_wanted(_cfg(retain_freed_host_memory=False), host)
 
 
 def test_a_misspelt_value_is_refused():

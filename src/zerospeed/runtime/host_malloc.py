@@ -29,7 +29,11 @@ import logging
 import os
 import platform
 
-__all__ = ["retain_freed_host_memory", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
+import torch
+
+from ..profiling.peak import is_accelerator
+
+__all__ = ["retain_freed_host_memory", "retain_wanted", "MMAP_THRESHOLD", "TRIM_THRESHOLD"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,17 @@ def _user_tuned() -> str | None:
     if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"
     return None
+
+
+def retain_wanted(cfg, device: torch.device) -> bool:
+    """The config's `retain_freed_host_memory` resolved (`cfg` a ZeroSpeedConfig): "auto" = the model trains on the
+    host (`device` is no accelerator) and nothing is offloaded (offload runs budget host memory, issue 22)."""
+    retain = cfg.retain_freed_host_memory
+    if retain != "auto":
+        return retain
+    zero = cfg.zero_optimization
+    offloaded = any(o is not None and o.device != "none" for o in (zero.offload_param, zero.offload_optimizer))
+    return not is_accelerator(device) and not offloaded
 
 
 def retain_freed_host_memory() -> bool:

@@ -24,14 +24,13 @@ from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..parallel import ParallelMesh
 from ..pipe.schedule import build_schedule
-from ..profiling.peak import is_accelerator
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..tensor_parallel import tensor_parallel_layers
 from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
 from .dataloader import build_dataloader
 from .engine import ZeroSpeedEngine
-from .host_malloc import retain_freed_host_memory
+from .host_malloc import retain_freed_host_memory, retain_wanted
 from .checkpoint_pipe import PipeTranslation
 from .pipe_engine import PipelineEngine
 from .pipe_ties import TiedWeights
@@ -274,17 +273,6 @@ def _split_backward(cfg: ZeroSpeedConfig, model) -> bool:
     return cfg.precision == "fp32" and cfg.zero_optimization.stage <= 1 and not model.activation_checkpoint_interval
 
 
-def _retain_freed_host_memory(cfg: ZeroSpeedConfig, device: torch.device) -> bool:
-    """`retain_freed_host_memory` resolved: "auto" = the model trains on the host (`device` is no accelerator)
-    and nothing is offloaded (offload runs budget host memory, issue 22)."""
-    retain = cfg.retain_freed_host_memory
-    if retain != "auto":
-        return retain
-    zero = cfg.zero_optimization
-    offloaded = any(o is not None and o.device != "none" for o in (zero.offload_param, zero.offload_optimizer))
-    return not is_accelerator(device) and not offloaded
-
-
 def _pipeline_schedule(cfg: ZeroSpeedConfig, model) -> str:
     """The config's pipeline.schedule; unset: "dualpipev" for a DualPipeVModule (DeepSpeed runs it with its
     DualPipeVEngine), else "1f1b"."""
@@ -402,7 +390,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     group = mesh.group("data")
     env = read_launch_env()
     device = default_device(env.local_rank)
-    if _retain_freed_host_memory(cfg, device):
+    if retain_wanted(cfg, device):
         retain_freed_host_memory()
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
