@@ -18,7 +18,12 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc mall
 _CYCLES = """
 import json, resource, sys, torch
 from zerospeed.runtime.host_malloc import retain_freed_host_memory
-applied = retain_freed_host_memory() if sys.argv[1] == "1" else False
+if sys.argv[1] == "1":
+    applied = retain_freed_host_memory()
+else:  # glibc's initial thresholds (128 KiB), held fixed: its dynamic ones make the baseline depend on where a
+    import ctypes  # stray small allocation lands (above the blocks: no trim, no faults; seen in 1 of 6 runs)
+    libc = ctypes.CDLL(None)
+    applied = not (libc.mallopt(-3, 128 << 10) and libc.mallopt(-1, 128 << 10))
 def cycle():
     ts = [torch.ones(3 << 18) for _ in range(8)]  # 8 x 3 MiB of float32
     del ts
@@ -44,10 +49,12 @@ def test_freed_memory_is_reused_without_page_faults():
     pages = 5 * (24 << 20) // 4096  # what the 5 cycles touch: 30,720 pages
     before, after = _run(False), _run(True)
     assert not before["applied"] and after["applied"]
-    # glibc's default: the 3 MiB blocks are mapped and unmapped every time (its dynamic threshold rises on the
-    # first free, yet 8 live blocks still exceed the 256 KiB trim threshold it sets): every page faults again
+    # glibc's initial thresholds: the 3 MiB blocks are mapped and unmapped every time, every page faults again
     assert before["faults"] >= 0.9 * pages, before
-    assert after["faults"] < 0.02 * pages, after
+    # retained: the heap serves them again; at most a block or two of growth (a stray allocation between the
+    # blocks can push one of them up the heap once: 768 pages seen in 1 of 3 CI runs)
+    block = (3 << 20) // 4096
+    assert after["faults"] <= 2 * block, after
 
 
 @glibc
