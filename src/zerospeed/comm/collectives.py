@@ -49,12 +49,19 @@ class GroupCollectives:
         return ops.start_all_reduce(tensor, group=self.group, logger=self.logger)
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *,
-                             input_is_scratch: bool = False) -> ops.CommHandle:
+                             input_is_scratch: bool = False,
+                             workspace: torch.Tensor | None = None) -> ops.CommHandle:
         """SUM reduce-scatter: `input` [N * k] summed over the group, rank r receiving elements
         [r*k, (r+1)*k) in `output` [k] (may be that slice of `input`). input_is_scratch: the caller no
-        longer needs `input` (`comm.ops.start_reduce_scatter`, which says what that allows on gloo)."""
+        longer needs `input`; workspace: a buffer of >= (N-1)k elements it may receive into
+        (`comm.ops.start_reduce_scatter`, which says what both allow on gloo)."""
         return ops.start_reduce_scatter(output, input, group=self.group, logger=self.logger,
-                                        input_is_scratch=input_is_scratch)
+                                        input_is_scratch=input_is_scratch, workspace=workspace)
+
+    def reduce_scatter_workspace_numel(self, k: int) -> int:
+        """Elements of the `workspace` `start_reduce_scatter` (scratch input, output of `k` elements) can
+        receive into on this group's backend: (N-1)k on gloo, 0 otherwise."""
+        return ops.reduce_scatter_workspace_numel(k, group=self.group)
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ops.CommHandle:
         """All-gather: every rank's `input` [k] lands in `output` [N * k] at [r*k, (r+1)*k); `input` may

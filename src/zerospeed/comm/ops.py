@@ -168,7 +168,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup | None,
                          op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                         logger: CommsLogger | None = None, input_is_scratch: bool = False) -> CommHandle:
+                         logger: CommsLogger | None = None, input_is_scratch: bool = False,
+                         workspace: torch.Tensor | None = None) -> CommHandle:
     """Start a reduce-scatter: `input` ([N * k] elements, the same length on every rank) is summed over
     `group` and rank r receives elements [r*k, (r+1)*k) in `output` ([k]). `output` may be that very
     slice of `input` (in place). Counted as `input.numel()` elements. Finish with `.wait()`.
@@ -182,19 +183,34 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
     thread per rank, medians of 15): 0.79x the time of an all-to-all into an [N * k] buffer at 1.85M
     fp32 elements and 2 ranks, 0.5x at 0.4M; and gloo's all-to-all keeps a (N-1)k-element buffer of
     its own after it finished, the messages nothing. Still counted and profiled as this
-    reduce-scatter; the summation happens inside its `.wait`."""
+    reduce-scatter; the summation happens inside its `.wait`.
+
+    workspace: where that path receives: a contiguous tensor of at least (N-1)k elements of `input`'s
+    dtype and device, the caller's until `.wait()` returns (None: allocated here). Reusing one saves
+    the kernel's zeroing of fresh pages on the host: a new (N-1)k buffer per bucket costs more than the
+    sum that reads it (bench/README.md, session 29)."""
     started = time.perf_counter()
     with record_function("zerospeed::reduce_scatter"):
         if (input_is_scratch and op == dist.ReduceOp.SUM and _point_to_point(group)
                 and _is_own_slice(output, input, group)):
             world, k = dist.get_world_size(group), output.numel()
-            received = torch.empty((world - 1) * k, dtype=input.dtype, device=input.device)
+            if workspace is None:
+                received = torch.empty((world - 1) * k, dtype=input.dtype, device=input.device)
+            else:
+                received = workspace.reshape(-1)[:(world - 1) * k]
             work = _SumAfter(_messages(group, lambda dst: input[dst * k:(dst + 1) * k],
                                        lambda j, src: received[(j - 1) * k:j * k], _REDUCE_SCATTER_TAG),
                              received.view(world - 1, k), output)
         else:
             work = _reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _handle("reduce_scatter", work, input, logger, started)
+
+
+def reduce_scatter_workspace_numel(k: int, *, group: dist.ProcessGroup | None) -> int:
+    """Elements of the `workspace` a SUM `start_reduce_scatter` with `input_is_scratch` and an output of
+    `k` elements (this rank's own slice of the input) receives into: (N-1)k where it runs as
+    point-to-point messages (gloo), 0 where the backend's own reduce-scatter runs (nothing to pass)."""
+    return (dist.get_world_size(group) - 1) * k if _point_to_point(group) else 0
 
 
 class _SumAfter:

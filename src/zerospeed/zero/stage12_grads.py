@@ -45,6 +45,7 @@ import torch
 
 from ..comm.collectives import GroupCollectives
 from ..comm.inflight import ReduceQueue
+from ..offload.hostmem import host_empty
 from .data_parallel import GradViews, OrderedBucketHooks, ReducePhase
 from .partition import FlatPartition
 from .reduce import gradient_divide_factors
@@ -96,7 +97,9 @@ class _ChunkReducer(OrderedBucketHooks):
         if self.predivide != 1.0:
             send.div_(self.predivide)
         out = self._own(send)
-        handle = self.comms.start_reduce_scatter(out, send, input_is_scratch=True)
+        extra = self.comms.reduce_scatter_workspace_numel(out.numel())  # recycled: no fresh pages per chunk
+        handle = self.comms.start_reduce_scatter(out, send, input_is_scratch=True,
+                                                 workspace=host_empty(extra, send.dtype, send.device) if extra else None)
         self._queue.push(handle, functools.partial(self._complete, chunk, out))
 
     def finish(self) -> None:

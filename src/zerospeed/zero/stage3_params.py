@@ -66,6 +66,13 @@ def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor
     return widen_into(host_empty(low.numel(), dtype, low.device).view(low.shape), low, post)
 
 
+def _divided_copy(src: torch.Tensor, post: float) -> torch.Tensor:
+    """src / post (post 1.0: a copy) in a recycled buffer (`host_empty`): a gradient shard made afresh
+    every step would otherwise be a new mapping whose pages the kernel zeroes on first touch."""
+    out = host_empty(src.numel(), src.dtype, src.device).view(src.shape)
+    return torch.div(src, post, out=out) if post != 1.0 else out.copy_(src)
+
+
 def _add_reduced(grad: torch.Tensor, reduced: torch.Tensor, post: float) -> None:
     """grad += reduced / post for a later micro-step: a 2-byte `reduced` is added with alpha 1/post,
     an fp32 one (scratch: divided in place) divided first - the roundings of both gradient paths."""
@@ -85,7 +92,9 @@ def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, pr
     dropped. Units must share reduce_dtype and device (one policy per strategy)."""
     u0, world, rank = units[0], units[0].world, units[0].rank
     cols = [u.layout.shard_numel for u in units]
-    bucket = host_empty(world * sum(cols), u0.reduce_dtype, u0.full.device).view(world, sum(cols))
+    extra = comms.reduce_scatter_workspace_numel(sum(cols))  # the receive buffer, in the same recycled block
+    block = host_empty(world * sum(cols) + extra, u0.reduce_dtype, u0.full.device)
+    bucket = block[:world * sum(cols)].view(world, sum(cols))
     pieces, c = [], 0
     for u, k in zip(units, cols):
         u.take_grads(bucket[:, c:c + k])
@@ -94,7 +103,8 @@ def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, pr
     if predivide != 1.0:
         bucket.div_(predivide)
     # in place: the bucket is scratch (on gloo: point-to-point messages + local sum, no clone)
-    handle = comms.start_reduce_scatter(bucket[rank], bucket.view(-1), input_is_scratch=True)
+    handle = comms.start_reduce_scatter(bucket[rank], bucket.view(-1), input_is_scratch=True,
+                                        workspace=block[world * sum(cols):] if extra else None)
     return handle, pieces
 
 
@@ -256,7 +266,7 @@ class ShardedUnit:
         """Give an aliased shard its own storage again (a copy of its slice of `full`), so edits of the
         gathered values stay out of it until `write_back` (GatheredParameters without modifier_rank)."""
         if self.aliased:
-            self._bind_shard(self.shard.detach().clone())
+            self._bind_shard(_divided_copy(self.shard.detach(), 1.0))
             self.aliased = False
 
     def _bind_shard(self, values: torch.Tensor) -> None:
@@ -296,12 +306,12 @@ class ShardedUnit:
         if owned:  # optimizer offload: the gradient goes down to the host
             reduced = reduced.to(self.shard.device, non_blocking=True)
         if self.shard.grad is None and self.lp_grad is None and reduced.dtype != self.master_dtype:
-            self.lp_grad, self._lp_grad_post = (reduced if owned else reduced.clone()), post
+            self.lp_grad, self._lp_grad_post = (reduced if owned else _divided_copy(reduced, 1.0)), post
             return
         self.materialize_grad()
         grad = self.shard.grad
         if grad is None:  # the same roundings as adding into zeros below
-            self.shard.grad = torch.div(reduced, post) if post != 1.0 else (reduced if owned else reduced.clone())
+            self.shard.grad = reduced if owned and post == 1.0 else _divided_copy(reduced, post)
         else:
             _add_reduced(grad, reduced, post)
 
