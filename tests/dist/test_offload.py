@@ -253,7 +253,7 @@ CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1 memory controller (root only
 
 def _big_config(path=None):
     zero = {"stage": 3, "sub_group_size": 2_000_000, "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 0}
+            "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
     if path is not None:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(path)}
         zero["offload_param"] = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0, "buffer_count": 4}

@@ -19,11 +19,14 @@ unit's outputs, post-accumulate-grad hooks, one end-of-backward autograd callbac
 The root unit is gathered at the start of the root forward and held until its gradients are reduced
 at the end of backward. Every rank runs the same hooks in the same order (same model), so the
 collectives, prefetches included, match across ranks. Knobs (elements): `prefetch_bucket_size` - how
-far ahead to prefetch along the previous forward's unit order; `max_live` - no prefetch, and no
+far ahead to prefetch along the previous forward's unit order (as in DeepSpeed, gathers start while fewer
+elements than this are being prefetched, so the next unit is prefetched even when it alone is larger:
+HF's "auto", 0.9 h^2, is below one transformer block's 12 h^2); `max_live` - no prefetch, and no
 keeping a unit after its forward, that would put more than this many elements in gathered buffers
 (room is left for the next unit; a unit needed now is always gathered); `max_reuse` - keep a unit
 gathered after forward if fewer elements (2 x the units after it in the order) are gathered before
-its backward reuses it. `peak_live` records the most elements gathered at once.
+its backward reuses it. `peak_live` records the most elements gathered at once, `prefetched` the units
+gathered ahead of their use.
 ZeRO, Rajbhandari et al. 2020, §5.3 and §7.2.2.
 """
 from __future__ import annotations
@@ -116,6 +119,7 @@ class GatherScheduler:
         self._checked = False
         self._external: dict[nn.Module, list[ShardedUnit]] = {}
         self.peak_live = 0  # most elements gathered at once so far (full buffers, padded)
+        self.prefetched = 0  # units whose gather was started ahead of their use (counter, tests and benchmarks)
         self.on_forward_start = lambda: None
         self.poll = None  # called at every gradient hook and unit forward (super_offload's `BackwardSteps.poll`)
         modules = dict(module.named_modules())
@@ -172,9 +176,12 @@ class GatherScheduler:
             if u.status is not SHARDED or u.index in self._reduced:
                 continue
             n = u.layout.padded_numel
-            if budget + n > self.prefetch_bucket_size or self._live() + n > self.max_live:
+            # DeepSpeed's rule: start gathers while fewer than prefetch_bucket_size elements are on their way
+            # (the last one may pass it), so a unit larger than the bucket is still prefetched; max_live is hard
+            if budget >= self.prefetch_bucket_size or self._live() + n > self.max_live:
                 break
             self._start(u)
+            self.prefetched += 1
             budget += n
 
     def _keep_after_forward(self, u: ShardedUnit, pos: int) -> bool:
