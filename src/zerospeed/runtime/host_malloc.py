@@ -19,8 +19,10 @@ that, not returned). The price: the resident set stays near its peak instead of 
 (the peak itself is unchanged: the memory is reused, not added). Process-wide and permanent, as the
 allocator is; on other C libraries (musl, macOS, Windows), under an allocator preloaded in glibc's place
 (jemalloc, tcmalloc: they do not read glibc's settings), or when the user set glibc's own knobs
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`, `GLIBC_TUNABLES` with `malloc`),
-nothing is changed.
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`, `MALLOC_MMAP_MAX_`, `GLIBC_TUNABLES` with
+`malloc`), nothing is changed. Blocks above 32 MiB stay mappings of their own; `MALLOC_MMAP_MAX_=0` in the
+environment removes those too (measured: in-memory ZeRO-3 fp32 at width 2048, 0.58x the step time, +40-70%
+peak RSS from heap fragmentation; bench/README.md, session 29), which is why it is the user's choice.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ MMAP_THRESHOLD = 32 << 20
 #: bytes of free memory kept at the top of the heap before any is returned to the kernel
 TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
-_USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_USER_KNOBS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _applied: bool | None = None
 
 
