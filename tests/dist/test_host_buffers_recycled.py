@@ -9,8 +9,6 @@ before this change only the bucket came from it. The cache keeps one free storag
 units alive at once still allocate: at least one buffer per unit must be a reused one. ZeRO-2's chunks take
 their receive workspace from the cache too. Losses are checked against plain PyTorch by test_zero3.py and
 test_zero12.py."""
-import torch
-
 import zerospeed
 from zerospeed.offload.hostmem import recycled
 from zerospeed.testing.models import random_tokens, tiny_gpt

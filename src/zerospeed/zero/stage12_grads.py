@@ -98,8 +98,8 @@ class _ChunkReducer(OrderedBucketHooks):
             send.div_(self.predivide)
         out = self._own(send)
         extra = self.comms.reduce_scatter_workspace_numel(out.numel())  # recycled: no fresh pages per chunk
-        handle = self.comms.start_reduce_scatter(out, send, input_is_scratch=True,
-                                                 workspace=host_empty(extra, send.dtype, send.device) if extra else None)
+        workspace = host_empty(extra, send.dtype, send.device) if extra else None
+        handle = self.comms.start_reduce_scatter(out, send, input_is_scratch=True, workspace=workspace)
         self._queue.push(handle, functools.partial(self._complete, chunk, out))
 
     def finish(self) -> None:

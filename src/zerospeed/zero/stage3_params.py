@@ -66,11 +66,11 @@ def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor
     return widen_into(host_empty(low.numel(), dtype, low.device).view(low.shape), low, post)
 
 
-def _divided_copy(src: torch.Tensor, post: float) -> torch.Tensor:
-    """src / post (post 1.0: a copy) in a recycled buffer (`host_empty`): a gradient shard made afresh
-    every step would otherwise be a new mapping whose pages the kernel zeroes on first touch."""
+def _recycled_copy(src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:
+    """A copy of `src` (divided by `divide_by`) in a recycled buffer (`host_empty`): a shard-sized tensor made
+    afresh every step would otherwise be a new mapping whose pages the kernel zeroes on first touch."""
     out = host_empty(src.numel(), src.dtype, src.device).view(src.shape)
-    return torch.div(src, post, out=out) if post != 1.0 else out.copy_(src)
+    return torch.div(src, divide_by, out=out) if divide_by != 1.0 else out.copy_(src)
 
 
 def _add_reduced(grad: torch.Tensor, reduced: torch.Tensor, post: float) -> None:
@@ -266,7 +266,7 @@ class ShardedUnit:
         """Give an aliased shard its own storage again (a copy of its slice of `full`), so edits of the
         gathered values stay out of it until `write_back` (GatheredParameters without modifier_rank)."""
         if self.aliased:
-            self._bind_shard(_divided_copy(self.shard.detach(), 1.0))
+            self._bind_shard(_recycled_copy(self.shard.detach()))
             self.aliased = False
 
     def _bind_shard(self, values: torch.Tensor) -> None:
@@ -306,12 +306,12 @@ class ShardedUnit:
         if owned:  # optimizer offload: the gradient goes down to the host
             reduced = reduced.to(self.shard.device, non_blocking=True)
         if self.shard.grad is None and self.lp_grad is None and reduced.dtype != self.master_dtype:
-            self.lp_grad, self._lp_grad_post = (reduced if owned else _divided_copy(reduced, 1.0)), post
+            self.lp_grad, self._lp_grad_post = (reduced if owned else _recycled_copy(reduced)), post
             return
         self.materialize_grad()
         grad = self.shard.grad
         if grad is None:  # the same roundings as adding into zeros below
-            self.shard.grad = reduced if owned and post == 1.0 else _divided_copy(reduced, post)
+            self.shard.grad = reduced if owned and post == 1.0 else _recycled_copy(reduced, post)
         else:
             _add_reduced(grad, reduced, post)
 
