@@ -18,8 +18,9 @@ host (the compute device's working set is counted here too: on a CPU machine it 
   backward          one unit's full gradients and the reduce-scatter bucket (units are added to it until it
                     holds reduce_bucket_size elements): unit + max(unit, bucket), param dtype
   recycled          free storages `hostmem.recycled` keeps for the next unit, one per byte size: a reduce-scatter
-                    bucket of one unit (N x unit shard, param dtype) and an fp32 gradient shard (the same size
-                    under bf16 at N = 2), at most RECYCLE_MAX_IDLE_BYTES
+                    bucket of one unit with its receive workspace (N + N - 1 unit shards, param dtype; the
+                    workspace is used on gloo, counted everywhere) and an fp32 gradient shard, at most
+                    RECYCLE_MAX_IDLE_BYTES
 disk
   optimizer         (1 + states) x 4 x Ψ/N (master + Adam's two moments, fp32)
   gradients         (stage 3, optimizer on nvme) 4 x Ψ/N, or 2 x Ψ/N under bf16/fp16 with one micro-step
@@ -113,7 +114,7 @@ def rank_budget(policy: OffloadPolicy, *, numel: int, largest_unit: int, world: 
         host.setdefault("gradients", shard * FP32)
         host["gathered"] = (1 + max(1, _ceil_div(prefetch_bucket_size, unit))) * unit * param_bytes
         host["backward"] = (unit + max(unit, min(reduce_bucket_size, numel))) * param_bytes
-        host["recycled"] = min(RECYCLE_MAX_IDLE_BYTES, sum({world * param_bytes * ushard, FP32 * ushard}))
+        host["recycled"] = min(RECYCLE_MAX_IDLE_BYTES, sum({(2 * world - 1) * param_bytes * ushard, FP32 * ushard}))
     return RankBudget(host, disk)
 
 
