@@ -106,3 +106,54 @@ def test_collapse_moves_a_written_tensor_onto_huge_pages_in_place():
     assert collapse_huge_pages(torch.empty(16)) is False  # under 2 MiB
     assert collapse_huge_pages(torch.empty(4 * MB, device="meta")) is False
     del t
+
+
+def test_gathered_pool_hands_released_memory_to_the_next_unit_within_the_peak():
+    """GatheredPool: a released storage's memory goes to the next storage of that byte size (the storage
+    objects stay: a tensor saved on the released one sees 0 bytes, as after resize_(0)); idle memory never takes
+    live + idle above the most bytes live at once."""
+    from zerospeed.offload.hostmem import GatheredPool
+    pool = GatheredPool()
+    a, b, c = (torch.empty(256, dtype=torch.float32) for _ in range(3))
+    for t in (a, b, c):
+        t.untyped_storage().resize_(0)
+    assert pool.acquire(a.untyped_storage(), 1024) and pool.acquire(b.untyped_storage(), 1024)
+    saved = a[:10]  # a view autograd might hold
+    assert (pool.live, pool.high, pool.allocated) == (2048, 2048, 2)
+    a.fill_(5.0)
+    ptr = a.data_ptr()
+    pool.release(a.untyped_storage())
+    assert a.untyped_storage().nbytes() == 0 and saved.untyped_storage().nbytes() == 0
+    assert (pool.live, pool.idle_bytes()) == (1024, 1024)
+    assert not pool.acquire(c.untyped_storage(), 1024)  # the released memory, not a new allocation
+    assert c.data_ptr() == ptr and bool((c == 5.0).all()) and pool.reused == 1
+    pool.release(c.untyped_storage())
+    pool.release(b.untyped_storage())
+    assert (pool.live, pool.idle_bytes()) == (0, 2048)
+    d = torch.empty(0, dtype=torch.float32)  # another size: a new allocation, and idle memory beyond the peak goes
+    assert pool.acquire(d.untyped_storage(), 4096) and d.untyped_storage().nbytes() == 4096
+    assert pool.high == 4096 and pool.live + pool.idle_bytes() <= pool.high
+    pool.release(d.untyped_storage())
+    assert pool.live + pool.idle_bytes() <= pool.high
+    saved2 = torch.empty(0)
+    pool.release(saved2.untyped_storage())  # 0 bytes: nothing to take
+    pool.clear()
+    assert pool.idle_bytes() == 0
+
+
+def test_a_peak_bound_cache_keeps_a_whole_set_of_buffers_for_the_next_step():
+    """max_idle_bytes=None: everything that was in use at once is kept (any sizes), nothing beyond that."""
+    cache = RecycledBuffers(None)
+    step1 = [cache.empty(n, torch.float32) for n in (1000, 1000, 3000, 1000)]
+    ptrs = sorted(t.data_ptr() for t in step1)
+    high = cache.high
+    assert cache.allocated == 4 and high == sum(t.untyped_storage().nbytes() for t in step1)
+    del step1
+    gc.collect()
+    step2 = [cache.empty(n, torch.float32) for n in (1000, 3000, 1000, 1000)]
+    assert sorted(t.data_ptr() for t in step2) == ptrs and (cache.allocated, cache.reused) == (4, 4)
+    del step2
+    gc.collect()
+    big = cache.empty(5000, torch.float32)  # a new size: free ones go until the cache holds at most its peak
+    assert cache.high == high and cache.allocated == 5
+    assert sum(s.nbytes() for s in cache._entries) <= cache.high

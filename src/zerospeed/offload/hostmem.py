@@ -6,6 +6,13 @@ ZeRO-3 shards it, or gradient and I/O buffers of a few MiB per step, then leaves
 free-but-resident heap (measured here: 1.63 GB peak RSS instead of 1.06 GB for a 151M-parameter
 GPT with NVMe offload at world size 2). Fixing the threshold at 1 MiB keeps every tensor-sized
 block in its own mapping, returned to the OS when freed. No-op where the C library is not glibc.
+
+The other side of that: a mapping made afresh is faulted in and zeroed by the kernel on first touch
+(2 MiB at a time on huge pages: `clear_page_erms` took a third of all CPU samples of an in-memory
+ZeRO-3 step at width 2048; bench/README.md, session 30). So the buffers a training step needs again
+and again are handed out again instead: `RecycledBuffers` (per-step buffers, by byte size, reused once
+nothing references them) and `GatheredPool` (ZeRO-3's full buffers, moved from the released unit to the
+next one gathered), each bounded so that idle memory does not raise the peak it is measured against.
 """
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import ctypes
 import ctypes.util
 
 __all__ = ["return_freed_memory_to_os", "advise_huge_pages", "collapse_huge_pages", "RecycledBuffers", "recycled",
-           "host_empty"]
+           "host_empty", "GatheredPool"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -101,16 +108,23 @@ class RecycledBuffers:
     read by an I/O request or a collective is never handed out twice.
 
     max_idle_bytes: free storages kept at most (least recently used dropped first); per_size: free
-    storages kept per byte size. Thread-safe. Without the use-count hook (another torch) nothing is kept.
+    storages kept per byte size. max_idle_bytes=None bounds the cache by its own peak instead: free storages
+    are kept while the bytes it holds (in use + free) stay within the most bytes of its storages ever in use
+    at once (`high`, measured at each `empty`), whatever their sizes, so a set of buffers that is all alive at
+    some point of a step (a ZeRO-3 rank's gradient shards) is reused whole in the next step without raising
+    the cache's peak. Thread-safe. Without the use-count hook (another torch) nothing is kept.
     """
 
-    def __init__(self, max_idle_bytes: int, per_size: int = 1):
+    def __init__(self, max_idle_bytes: int | None, per_size: int = 1):
         import threading
 
         import torch
 
         self._torch, self._lock = torch, threading.Lock()
-        self.max_idle_bytes, self.per_size = int(max_idle_bytes), int(per_size)
+        self.peak_bound = max_idle_bytes is None
+        self.max_idle_bytes = 1 << 62 if self.peak_bound else int(max_idle_bytes)
+        self.per_size = 1 << 30 if self.peak_bound else int(per_size)
+        self.high = 0  # peak_bound: the most bytes of this cache's storages in use at once
         self._entries: list = []  # [UntypedStorage], least recently handed out first
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
         self.reused = self.allocated = 0  # counters (tests, benchmarks)
@@ -138,15 +152,29 @@ class RecycledBuffers:
                 self.allocated += 1
             if self._use_count is not None and self.max_idle_bytes > 0:
                 self._entries.append(storage)
-                self._trim()
+                self._trim(storage)
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
         if fresh:
             advise_huge_pages(raw)
         return aligned_view(raw, numel, dtype, alignment)
 
-    def _trim(self) -> None:
-        """Drop free storages beyond `per_size` of a size and beyond `max_idle_bytes` in all (oldest first)."""
-        free = [s for s in self._entries if self._free(s)]
+    def _trim(self, current=None) -> None:
+        """Drop free storages beyond `per_size` of a size and beyond `max_idle_bytes` in all (oldest first);
+        peak_bound: beyond `high` held in all (`current`, being handed out, counts as in use)."""
+        free = [s for s in self._entries if s is not current and self._free(s)]
+        if self.peak_bound:
+            idle = sum(s.nbytes() for s in free)
+            held = sum(s.nbytes() for s in self._entries)
+            self.high = max(self.high, held - idle)
+            drop = set()
+            for s in free:  # oldest first
+                if held <= self.high:
+                    break
+                drop.add(id(s))
+                held -= s.nbytes()
+            if drop:
+                self._entries = [s for s in self._entries if id(s) not in drop]
+            return
         seen: dict[int, int] = {}
         idle = sum(s.nbytes() for s in free)
         drop = set()
@@ -163,6 +191,12 @@ class RecycledBuffers:
                 idle -= s.nbytes()
         if drop:
             self._entries = [s for s in self._entries if id(s) not in drop]
+
+    def clear(self) -> None:
+        """Drop the free storages (those in use stay tracked)."""
+        with self._lock:
+            if self._use_count is not None:
+                self._entries = [s for s in self._entries if not self._free(s)]
 
     def idle_bytes(self) -> int:
         """Bytes of the free storages the cache holds now."""
@@ -186,3 +220,82 @@ def host_empty(numel: int, dtype, device):
     if device.type == HOST.type:
         return recycled.empty(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _swap_available() -> bool:
+    import torch
+
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+_SWAP = _swap_available()  # without it (another torch) the pool allocates and frees as before
+
+
+class GatheredPool:
+    """The memory of released ZeRO-3 full buffers handed to the next unit gathered, within the peak.
+
+    A unit's full buffer (`zero.stage3_params.ShardedUnit.full`) is freed when the unit is released and
+    allocated again when it (or the next unit) is gathered: on the host, a fresh mapping whose pages the kernel
+    zeroes on first touch, twice per unit and step (forward and backward). Measured here (GPT 4 x 2048, ZeRO-3
+    fp32, world 2): ~1 s of system time per step went to faulting in and zeroing those buffers and autograd's
+    weight gradients (bench/README.md, session 30). `release` moves the memory out of the unit's storage into
+    this pool (`UntypedStorage._swap_data_ptr_`: the storage object stays, so tensors autograd saved still
+    see the unit's values once it is gathered again) and `acquire` moves memory of the same byte size back in.
+
+    Bound: the pool keeps idle memory only while live + idle <= the most bytes ever live at once (`high`),
+    so the peak resident set of the gathered buffers is what it was without the pool; in between steps the
+    pool holds up to `high` bytes (the offload budget's "gathered" term already counts them resident).
+    Single-threaded (the training thread); host storages only.
+
+    `buffers`: the same units' shard-sized host buffers (gradient shards, shard copies): a `RecycledBuffers`
+    bounded by its own peak, so a rank's gradient shards, all alive at the step, are reused whole by the next
+    step. `buckets`: their reduce-scatter buckets (one in flight while the next is filled: 2 kept per size, at
+    most RECYCLE_MAX_IDLE_BYTES).
+    """
+
+    def __init__(self):
+        self.buffers = RecycledBuffers(None)
+        self.buckets = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES, per_size=2)
+        self._idle: list = []  # UntypedStorage holding released memory, oldest first
+        self.live = self.high = 0  # bytes held by gathered units now / at most so far
+        self.reused = self.allocated = 0  # counters (tests, benchmarks)
+
+    def idle_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._idle)
+
+    def acquire(self, storage, nbytes: int) -> bool:
+        """Give the 0-byte `storage` `nbytes` bytes: a released buffer's memory of that size when one is
+        idle, else a new allocation. Returns True for a new allocation (fresh pages: advise them)."""
+        hit = next((i for i, s in enumerate(self._idle) if s.nbytes() == nbytes), None) if _SWAP else None
+        if hit is not None:
+            storage._swap_data_ptr_(self._idle.pop(hit))
+            self.reused += 1
+        else:
+            storage.resize_(nbytes)
+            self.allocated += 1
+        self.live += nbytes
+        self.high = max(self.high, self.live)
+        while self._idle and self.live + self.idle_bytes() > self.high:
+            self._idle.pop(0)
+        return hit is None
+
+    def release(self, storage) -> None:
+        """Take `storage`'s memory (it is left with 0 bytes): kept for `acquire` within the bound, else freed."""
+        import torch
+
+        n = storage.nbytes()
+        if n == 0:
+            return
+        self.live = max(0, self.live - n)
+        if _SWAP and self.live + self.idle_bytes() + n <= self.high:
+            spare = torch.UntypedStorage(0, device=storage.device)
+            storage._swap_data_ptr_(spare)
+            self._idle.append(spare)
+        else:
+            storage.resize_(0)
+
+    def clear(self) -> None:
+        """Free every idle buffer (and `buffers`' and `buckets`' free storages)."""
+        self._idle = []
+        self.buffers.clear()
+        self.buckets.clear()

@@ -29,6 +29,7 @@ from ..comm.logger import CommsLogger
 from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
 from ..offload.grads import SwappedGrads
+from ..offload.hostmem import GatheredPool
 from ..offload.backward_steps import BackwardSteps
 from ..offload.budget import BACKWARD_PENDING, BACKWARD_SETS, FORWARD_SHARE
 from ..offload.optimizer import SwappedOptimizer
@@ -40,6 +41,7 @@ from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .reduce import gradient_divide_factors
+from .stage3_linear import RecycledGradLinears
 from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
@@ -66,6 +68,7 @@ class Stage3Strategy(ZeroStrategy):
     policy: the mixed-precision policy (the module already cast to its param_dtype). master_values:
     {id(param): original fp32 value} (parameters partitioned by zero.Init bring their own fp32 values).
     `master_params`: what the optimizer updates (fp32 masters: shards or segments), aligned with `segments`.
+    memory_efficient_linear: host `nn.Linear` weight gradients into recycled buffers (`stage3_linear`).
     Raises TypeError if a unit mixes dtypes or devices.
     """
 
@@ -79,7 +82,8 @@ class Stage3Strategy(ZeroStrategy):
                  leaf_classes=(), leaf_names=(), leaf_name_suffixes=(), average: bool = True,
                  predivide_factor: float = 1.0, logger: CommsLogger | None = None, sanity_checks: bool = False,
                  policy: MixedPrecisionPolicy | None = None, master_values: dict[int, torch.Tensor] | None = None,
-                 offload=None, collectives: type[GroupCollectives] = GroupCollectives):
+                 offload=None, collectives: type[GroupCollectives] = GroupCollectives,
+                 memory_efficient_linear: bool = True):
         self.module, self.group, self.logger = module, group, logger
         self.comms = collectives(group, logger)
         self.policy = policy = policy or MixedPrecisionPolicy()
@@ -102,6 +106,9 @@ class Stage3Strategy(ZeroStrategy):
             optimizer, [p for p, _ in trainable], [n for _, n in trainable]))) if optimizer is not None else {}
         opol = offload.policy if offload is not None else None
         self.units: list[ShardedUnit] = []
+        # released full buffers' host memory for the next unit gathered, and per-step buffers (`hostmem`); not
+        # under offload, whose budget (`offload.budget`) frees each at once (4Ψ-capped NVMe test: +25 MB with it)
+        self.gathered_pool = GatheredPool() if offload is None else None
         for i, plan in enumerate(self.plans):  # one unit at a time, so NVMe offload never holds them all
             u = ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
                             rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=full_value,
@@ -109,7 +116,7 @@ class Stage3Strategy(ZeroStrategy):
                             reduce_dtype=policy.reduce_dtype,
                             master_device=HOST if opol is not None and opol.optimizer_on_host else None,
                             param_device=HOST if opol is not None and opol.param == "cpu" else None,
-                            param_swapper=self.param_swapper)
+                            param_swapper=self.param_swapper, gathered_pool=self.gathered_pool)
             if self.swapped is not None and u.layout.padded_numel:  # the master goes to NVMe right away, cut by group
                 ranges = [(g.start, g.end, g.group) for g in merge_segments(self._grouped(self.unit_pieces(0, u)),
                                                                             [u.layout.shard_numel])]
@@ -119,6 +126,8 @@ class Stage3Strategy(ZeroStrategy):
                 u.shard.untyped_storage().resize_(0)
             self.units.append(u)
         self._swapped_units = [u for u in self.units if u.master_store is not None]
+        # host nn.Linear weight gradients into recycled memory (`stage3_linear`; DeepSpeed's key of the same name)
+        self.linears = RecycledGradLinears(module, self.units) if memory_efficient_linear else None
         self._lp_stage: torch.Tensor | None = None  # the swap buffer of the shard whose tiles are being written
         self._backward_steps: BackwardSteps | None = None  # super_offload
         self._deferred: frozenset[int] = frozenset()  # masters whose step waits for the next forward
@@ -162,7 +171,8 @@ class Stage3Strategy(ZeroStrategy):
                    persistence_threshold=int(zero_cfg.param_persistence_threshold), leaf_classes=leaf.classes,
                    leaf_names=leaf.names, leaf_name_suffixes=leaf.name_suffixes, average=average,
                    predivide_factor=predivide_factor, logger=logger, sanity_checks=zero_cfg.enable_sanity_checks,
-                   policy=policy, master_values=master_values, collectives=collectives)
+                   policy=policy, master_values=master_values, collectives=collectives,
+                   memory_efficient_linear=zero_cfg.memory_efficient_linear)
 
     def _plan_segments(self, optimizer) -> None:
         """`segments` (per-group column ranges of each non-empty unit's shard; source = index into
@@ -392,6 +402,8 @@ class Stage3Strategy(ZeroStrategy):
         self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
             self._settle_all()
+            if self.linears is not None:  # the tiles' memory budget: no idle buffers of the backward held through
+                self.linears.cache.clear()
             done, deferred = self._end_backward_steps(), frozenset()
             if done:  # super_offload: the tiles stepped in the backward; the deferred ones wait for the forward
                 deferred = self._defer_steps()
@@ -494,3 +506,7 @@ class Stage3Strategy(ZeroStrategy):
                 sp.param.grad = None
             u.full.untyped_storage().resize_(0)
         self.units = []
+        if self.gathered_pool is not None:
+            self.gathered_pool.clear()
+        if self.linears is not None:
+            self.linears.remove()

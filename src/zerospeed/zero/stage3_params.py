@@ -13,8 +13,9 @@ Storage (as in FSDP2's `FSDPParam`, whose per-parameter state we mirror; DeepSpe
 * each unit owns one persistent full buffer `full` ([padded] elements). While SHARDED its storage is
   resized to 0 bytes; gathering resizes it back and all-gathers into it. Views of it saved by
   autograd during forward therefore see the re-gathered values in backward without a copy. On the
-  host the fresh mapping is advised to use huge pages (`offload.hostmem.advise_huge_pages`): page faults
-  on first touch cost more than the all-gather's copy otherwise.
+  host the released memory goes to the strategy's `offload.hostmem.GatheredPool` and the next unit gathered
+  takes it from there (fresh pages, zeroed by the kernel on first touch, cost more than the all-gather's copy);
+  a fresh mapping is advised to use huge pages (`offload.hostmem.advise_huge_pages`).
 * a parameter's `.data` is a view into `full` while the unit is GATHERED and a 0-element
   placeholder otherwise, so a stray use fails on the shape instead of reading freed memory.
   Tensors derived from a gathered parameter (`p.detach()`, views) are valid only while its unit is
@@ -33,7 +34,7 @@ from ..comm.collectives import GroupCollectives
 from ..comm.ops import CommHandle
 from ..offload.grads import widen_into
 from ..offload.aio import HOST
-from ..offload.hostmem import advise_huge_pages, host_empty
+from ..offload.hostmem import GatheredPool, advise_huge_pages, host_empty
 from .clipping import sum_of_squares
 from .partition import FlatPartition, plan_one_chunk
 
@@ -61,15 +62,24 @@ def _row_pieces(offset: int, numel: int, row: int):
         e += n
 
 
-def _widened(low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
+def _buffer(pool: GatheredPool | None, numel: int, dtype: torch.dtype, device, bucket: bool = False) -> torch.Tensor:
+    """An uninitialised [numel] tensor: on the host from the strategy's caches (`pool.buckets` for a reduce-scatter
+    bucket, else `pool.buffers`), without a pool `host_empty` (the process's cache on the host, a plain
+    allocation on an accelerator)."""
+    if pool is not None and torch.device(device).type == HOST.type:
+        return (pool.buckets if bucket else pool.buffers).empty(numel, dtype)
+    return host_empty(numel, dtype, device)
+
+
+def _widened(pool: GatheredPool | None, low: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
     """A reduced 2-byte gradient as the fp32 accumulator value: float(low) x (1 / post)."""
-    return widen_into(host_empty(low.numel(), dtype, low.device).view(low.shape), low, post)
+    return widen_into(_buffer(pool, low.numel(), dtype, low.device).view(low.shape), low, post)
 
 
-def _recycled_copy(src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:
-    """A copy of `src` (divided by `divide_by`) in a recycled buffer (`host_empty`): a shard-sized tensor made
+def _recycled_copy(pool: GatheredPool | None, src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:
+    """A copy of `src` (divided by `divide_by`) in a recycled buffer (`_buffer`): a shard-sized tensor made
     afresh every step would otherwise be a new mapping whose pages the kernel zeroes on first touch."""
-    out = host_empty(src.numel(), src.dtype, src.device).view(src.shape)
+    out = _buffer(pool, src.numel(), src.dtype, src.device).view(src.shape)
     return torch.div(src, divide_by, out=out) if divide_by != 1.0 else out.copy_(src)
 
 
@@ -93,7 +103,7 @@ def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, pr
     u0, world, rank = units[0], units[0].world, units[0].rank
     cols = [u.layout.shard_numel for u in units]
     extra = comms.reduce_scatter_workspace_numel(sum(cols))  # the receive buffer, in the same recycled block
-    block = host_empty(world * sum(cols) + extra, u0.reduce_dtype, u0.full.device)
+    block = _buffer(u0.pool, world * sum(cols) + extra, u0.reduce_dtype, u0.full.device, bucket=True)
     bucket = block[:world * sum(cols)].view(world, sum(cols))
     pieces, c = [], 0
     for u, k in zip(units, cols):
@@ -175,8 +185,10 @@ class ShardedUnit:
     def __init__(self, index: int, name: str, params: list[tuple[nn.Parameter, str, tuple[str, ...]]], *,
                  rank: int, world: int, shape_of=None, full_value=None, master_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, master_device: torch.device | None = None,
-                 param_device: torch.device | None = None, param_swapper=None):
+                 param_device: torch.device | None = None, param_swapper=None,
+                 gathered_pool: GatheredPool | None = None):
         self.index, self.name, self.rank, self.world = index, name, rank, world
+        self.pool = gathered_pool
         shape_of = shape_of or (lambda p: p.shape)
         full_value = full_value or (lambda p: p.data)
         self.params = [ShardedParam(p, fqn, aliases, self, i, shape_of(p))
@@ -233,8 +245,13 @@ class ShardedUnit:
         """SHARDED -> GATHERING: allocate the full buffer and start its all-gather (`comms`, over the
         group of `world` ranks this unit is sharded over)."""
         self._to(ParamStatus.GATHERING)
-        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-        if self.full.device.type == HOST.type:
+        storage, nbytes = self.full.untyped_storage(), self.layout.padded_numel * self.full.element_size()
+        if self.pool is not None and self.full.device.type == HOST.type:
+            fresh = self.pool.acquire(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+            fresh = True
+        if fresh and self.full.device.type == HOST.type:
             advise_huge_pages(self.full)  # a fresh mapping, filled next: fewer page faults
         if self.layout.padded_numel:
             self.handle = comms.start_all_gather(self.full, self._lp_source())
@@ -260,13 +277,16 @@ class ShardedUnit:
         for sp in self.params:
             sp.param.data = self.placeholder
         self.own_shard_storage()
-        self.full.untyped_storage().resize_(0)
+        if self.pool is not None and self.full.device.type == HOST.type:
+            self.pool.release(self.full.untyped_storage())  # the memory is handed to the next unit gathered
+        else:
+            self.full.untyped_storage().resize_(0)
 
     def own_shard_storage(self) -> None:
         """Give an aliased shard its own storage again (a copy of its slice of `full`), so edits of the
         gathered values stay out of it until `write_back` (GatheredParameters without modifier_rank)."""
         if self.aliased:
-            self._bind_shard(_recycled_copy(self.shard.detach()))
+            self._bind_shard(_recycled_copy(self.pool, self.shard.detach()))
             self.aliased = False
 
     def _bind_shard(self, values: torch.Tensor) -> None:
@@ -306,12 +326,12 @@ class ShardedUnit:
         if owned:  # optimizer offload: the gradient goes down to the host
             reduced = reduced.to(self.shard.device, non_blocking=True)
         if self.shard.grad is None and self.lp_grad is None and reduced.dtype != self.master_dtype:
-            self.lp_grad, self._lp_grad_post = (reduced if owned else _recycled_copy(reduced)), post
+            self.lp_grad, self._lp_grad_post = (reduced if owned else _recycled_copy(self.pool, reduced)), post
             return
         self.materialize_grad()
         grad = self.shard.grad
         if grad is None:  # the same roundings as adding into zeros below
-            self.shard.grad = reduced if owned and post == 1.0 else _recycled_copy(reduced, post)
+            self.shard.grad = reduced if owned and post == 1.0 else _recycled_copy(self.pool, reduced, post)
         else:
             _add_reduced(grad, reduced, post)
 
@@ -331,7 +351,7 @@ class ShardedUnit:
         if grad is None and reduced.dtype != self.master_dtype:  # kept in 2 bytes, as `lp_grad` in memory
             low = store.buffer(n, reduced.dtype)
             low.copy_(reduced)
-            store.write(m, low, sum_of_squares([_widened(low, self.master_dtype, post)]), post=post)
+            store.write(m, low, sum_of_squares([_widened(self.pool, low, self.master_dtype, post)]), post=post)
             return
         if grad is None:
             grad = store.buffer(n)
@@ -349,7 +369,7 @@ class ShardedUnit:
     def materialize_grad(self) -> None:
         """Turn a kept low-precision gradient (`lp_grad`) into the fp32 `shard.grad` (times 1/post)."""
         if self.lp_grad is not None:
-            self.shard.grad = _widened(self.lp_grad, self.master_dtype, self._lp_grad_post)
+            self.shard.grad = _widened(self.pool, self.lp_grad, self.master_dtype, self._lp_grad_post)
             self.lp_grad = None
 
     # -- whole-unit helpers -------------------------------------------------------------------
