@@ -2,13 +2,13 @@
 
 A host tensor above glibc's mmap threshold is a new mapping whose pages the kernel zeroes on first
 touch; at width 2048 (ZeRO-3, fp32, world 2) the buffers made afresh every step cost 1.9 GB of page
-faults per step (bench/README.md, session 29). On 2 real gloo ranks, every steady ZeRO-3 step must ask the
-caches (the strategy's `gathered_pool.buffers`, bounded by its own peak, and `.buckets`), per unit with gradients, for: the
-reduce-scatter's bucket with its receive workspace, the averaged `shard.grad`, and the copy of the shard out
-of the released full buffer (fp32 without a separate master); from the second step on none is a new
-allocation. ZeRO-2's chunks take their receive workspace from the process's cache (`offload.hostmem.recycled`,
-one free storage per byte size): at least one reused per step. Losses are checked against plain PyTorch by test_zero3.py and
-test_zero12.py.
+faults per step (bench/README.md, session 29). On 2 real gloo ranks, every steady ZeRO-3
+step must ask the caches (the strategy's `gathered_pool.buffers`, bounded by its own peak, and `.buckets`),
+per unit with gradients, for: the reduce-scatter's bucket with its receive workspace, the averaged
+`shard.grad`, and the copy of the shard out of the released full buffer (fp32 without a separate master);
+from the second step on none is a new allocation. ZeRO-2's chunks take their receive workspace from the
+process's cache (`offload.hostmem.recycled`, one free storage per byte size): at least one reused per step.
+Losses are checked against plain PyTorch by test_zero3.py and test_zero12.py.
 
 The units' full buffers and the nn.Linear weight gradients (session 30): from the second step on, every gather
 takes a released unit's memory from the strategy's `GatheredPool` (no new allocation), and the weight

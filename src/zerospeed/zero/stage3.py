@@ -37,6 +37,7 @@ from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_checkpoint as ckpt
 from . import stage3_context as ctx
+from . import stage3_memory
 from . import stage3_init as init
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
@@ -46,7 +47,7 @@ from .stage3_params import ShardedParam, ShardedUnit
 from .stage3_schedule import GatherScheduler, ParameterNotGatheredError
 from .stage3_state_dict import StateDictHooks
 from .stage3_units import plan_units
-from .strategy import ZeroStrategy, _optimizer_state_bytes
+from .strategy import ZeroStrategy
 
 __all__ = ["Stage3Strategy", "ParameterNotGatheredError"]
 
@@ -430,29 +431,7 @@ class Stage3Strategy(ZeroStrategy):
 
     # -- accounting and teardown ----------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds now. params: shards in the parameter dtype + gathered full buffers +
-        frozen parameters; grads: shard gradients (fp32, or the 2-byte reduced ones not yet converted)
-        + full gradients not yet reduced; master_weights: the fp32 shards under mixed precision (0 in
-        fp32, where they are the parameter shards). After backward in fp32 ≈ 4Ψ/N + 4Ψ/N (+ padding),
-        plus Adam's 8Ψ/N in optimizer_states (ZeRO, Rajbhandari et al. 2020, §5.3); under bf16/fp16
-        2Ψ/N + 2Ψ/N + 8Ψ/N + 4Ψ/N (4Ψ/N gradients with accumulation); no gradients after the step."""
-        params = sum(u.shard_bytes() + u.gathered_bytes() for u in self.units)
-        params += sum(p.numel() * p.element_size() for p in self._frozen)
-        grads = sum(g.numel() * g.element_size() for u in self.units for g in (u.shard.grad, u.lp_grad)
-                    if g is not None)
-        grads += sum(sp.param.grad.numel() * sp.param.grad.element_size() for u in self.units for sp in u.params
-                     if sp.param.grad is not None)
-        if self.grad_store is not None:  # NVMe: only the gradients still being written are in memory
-            grads += self.grad_store.inflight_bytes()
-        masters = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.has_master)
-        states = _optimizer_state_bytes(self.optimizer)
-        if self.swapped is not None:  # NVMe: only the tile buffers are in memory (counted as states)
-            states = self.swapped.resident_bytes()
-            if self._backward_steps is not None:
-                states += self._backward_steps.resident_bytes()
-        if self.param_swapper is not None:  # the shard read buffers (shards kept in RAM are counted above)
-            params += self.param_swapper.pool.nbytes
-        return {"params": params, "grads": grads, "optimizer_states": states, "master_weights": masters}
+        return stage3_memory.memory_breakdown(self)
 
     # -- checkpoints and full-weight export (the ZeroStrategy protocol; stage3_checkpoint.py) ---------
     def checkpoint_params(self) -> list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]:
