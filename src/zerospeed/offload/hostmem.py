@@ -244,8 +244,10 @@ class GatheredPool:
 
     Bound: the pool keeps idle memory only while live + idle <= the most bytes ever live at once (`high`),
     so the peak resident set of the gathered buffers is what it was without the pool; in between steps the
-    pool holds up to `high` bytes (the offload budget's "gathered" term already counts them resident).
-    Single-threaded (the training thread); host storages only.
+    pool holds up to `high` bytes. That still moves the process's peak where other memory peaks while a buffer
+    is idle (a reduce-scatter bucket allocated just after its unit's release), so `Stage3Strategy` uses no pool
+    under offload, whose budget frees each buffer at once. Single-threaded (the training thread); host storages
+    only.
 
     `buffers`: the same units' shard-sized host buffers (gradient shards, shard copies): a `RecycledBuffers`
     bounded by its own peak, so a rank's gradient shards, all alive at the step, are reused whole by the next
