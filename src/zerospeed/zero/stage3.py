@@ -37,8 +37,8 @@ from ..offload.params import ParamSwapper
 from ..precision import MixedPrecisionPolicy, first_nonfinite
 from . import stage3_checkpoint as ckpt
 from . import stage3_context as ctx
-from . import stage3_memory
 from . import stage3_init as init
+from . import stage3_memory
 from .data_parallel import ReducePhase
 from .param_groups import by_group, group_index, merge_segments, retarget, swapped_builder
 from .reduce import gradient_divide_factors

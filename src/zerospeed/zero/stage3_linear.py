@@ -64,13 +64,9 @@ class RecycledGradLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _forward(module: nn.Linear, cache: RecycledBuffers, x: torch.Tensor) -> torch.Tensor:
-    return RecycledGradLinear.apply(x, module.weight, module.bias, cache)
-
-
 class RecycledGradLinears:
-    """Install `RecycledGradLinear` on the exact-type `nn.Linear` modules of `module` whose weight is one of
-    `params` (the ZeRO-3 units' parameters) and lives on the host. The cache keeps at most one unit's worth of
+    """Install `RecycledGradLinear` on the exact-type `nn.Linear` modules of `module` whose weight belongs to one
+    of `units` (the ZeRO-3 `ShardedUnit`s) and lives on the host. The cache keeps at most one unit's worth of
     those weight gradients idle (`max_idle_bytes`: the largest sum over a unit; `per_size`: the most weights
     of one byte size in a unit, e.g. an MLP's two 4h x h matrices), so the resident set grows by at most what
     one unit's gradients already took at the peak. `remove()` gives the modules their class's forward back."""
@@ -104,7 +100,7 @@ class _Forward:
         self.module, self.cache = module, cache
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _forward(self.module, self.cache, x)
+        return RecycledGradLinear.apply(x, self.module.weight, self.module.bias, self.cache)
 
     def __reduce__(self):  # a deep copy or pickle of the model gets the class's forward (no shared cache)
         return _class_forward, (self.module,)
