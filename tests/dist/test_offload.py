@@ -308,6 +308,8 @@ def bigger_than_memory(rank, world, path, cap):  # cap: bytes of growth allowed
         losses = train_engine(engine, batches)
         disk = engine.offload.disk_bytes()
         extra = engine.strategy.param_swapper.extra_allocations  # parameter buffers beyond buffer_count
+        pool = engine.strategy.gathered_pool
+        gathers = (pool.allocated, pool.reused)
         engine.destroy()  # parameters on NVMe: left empty, not gathered (the model may not fit in RAM)
         growth = _peak() - base
         emptied = all(p.numel() == 0 for p in model.parameters())
@@ -321,7 +323,7 @@ def bigger_than_memory(rank, world, path, cap):  # cap: bytes of growth allowed
     ref = train_engine(engine, batches)
     engine.destroy()
     return {"losses": losses, "ref": ref, "growth": growth, "disk": disk, "spilled": spilled, "left": left,
-            "enforced": cg is not None, "charged": charged, "emptied": emptied, "extra": extra}
+            "enforced": cg is not None, "charged": charged, "emptied": emptied, "extra": extra, "gathers": gathers}
 
 
 def test_bigger_than_memory(tmp_path):
@@ -329,9 +331,10 @@ def test_bigger_than_memory(tmp_path):
     (16Ψ = 2.4 GB) are 4x the per-rank cap of 4Ψ = 604 MB (growth over the process's start; a memory
     cgroup enforces it where the test runs as root) is built under `zero.Init(remote_device="nvme")`
     and trains 3 steps at world size 2 with the optimizer states, gradients and parameters on NVMe,
-    with the losses of the same model trained in memory (1e-6). What stays in memory is the
-    parameter buffer pool (4 x a block's shard), the gathered blocks, one tile set of the optimizer
-    and the gradients being written, none of which grows with the number of blocks."""
+    with the losses of the same model trained in memory (1e-6), most gathers reusing a released unit's
+    memory. What stays in memory is the parameter buffer pool (4 x a block's shard), the gathered
+    blocks, one tile set of the optimizer and the gradients being written, none of which grows with the
+    number of blocks."""
     psi = BIG.num_params()
     cap = 4 * psi
     out = run_distributed(bigger_than_memory, 2, tmp_path, cap, timeout=600)
@@ -344,6 +347,9 @@ def test_bigger_than_memory(tmp_path):
         assert r["disk"] >= 20 * psi // 2
         assert r["emptied"] and r["extra"] == 0  # buffer_count honoured: no parameter buffer beyond the pool
         assert r["charged"] <= cap  # a rank over the cgroup's limit is killed (and the launch fails) first
+        # within the cap, most gathers take a released unit's memory (GatheredPool) instead of a new mapping
+        allocated, reused = r["gathers"]
+        assert reused > 2 * allocated, r["gathers"]
 
 
 def checkpoint_run(rank, world, nvme_path, ckpt):

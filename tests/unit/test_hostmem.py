@@ -141,6 +141,55 @@ def test_gathered_pool_hands_released_memory_to_the_next_unit_within_the_peak():
     assert pool.idle_bytes() == 0
 
 
+def test_gathered_pool_gives_up_idle_memory_before_a_watched_cache_maps_a_new_buffer():
+    """Under offload the pool watches the offload path's caches: a new mapping in one of them first frees the
+    pool's idle memory (so no released buffer sits idle beside it), a cache hit does not; `close` stops it."""
+    from zerospeed.offload.hostmem import GatheredPool
+    cache = RecycledBuffers(1 << 20)
+    pool = GatheredPool(cache, cache)
+    pool.watch(cache)
+    pool.watch(cache)  # once only
+    assert len(cache.before_fresh) == 1
+    a, b = torch.empty(0), torch.empty(0)
+    pool.acquire(a.untyped_storage(), 4096)
+    pool.acquire(b.untyped_storage(), 4096)
+    pool.release(a.untyped_storage())
+    assert pool.idle_bytes() == 4096
+    t = cache.empty(1000, torch.float32)  # a new mapping: the idle buffer goes first
+    assert pool.idle_bytes() == 0 and pool.dropped == 1 and cache.allocated == 1
+    del t
+    gc.collect()
+    pool.release(b.untyped_storage())
+    assert pool.idle_bytes() == 4096
+    t = cache.empty(1000, torch.float32)  # a cache hit: nothing new mapped, the idle buffer stays
+    assert cache.reused == 1 and pool.idle_bytes() == 4096
+    pool.close()
+    assert cache.before_fresh == [] and pool.idle_bytes() == 0
+    del t
+
+
+def test_per_size_none_keeps_as_many_of_a_size_as_were_in_use_at_once():
+    """per_size=None: two buffers of a size alive at once (a bucket reduced while the next is filled) are both
+    reused by the next round, where per_size=1 maps the second afresh each round; never more of a size than
+    its peak in use."""
+    counts = []
+    for per_size in (None, 1):
+        cache = RecycledBuffers(1 << 30, per_size=per_size)
+        for _ in range(3):  # a round: two 1000-element buffers at once, then a 3000-element one on its own
+            a, b = cache.empty(1000, torch.float32), cache.empty(1000, torch.float32)
+            del a, b
+            gc.collect()
+            c = cache.empty(3000, torch.float32)
+            del c
+            gc.collect()
+        counts.append((cache.allocated, cache.reused))
+        if per_size is None:
+            d = cache.empty(1000, torch.float32)
+            assert [s.nbytes() for s in cache._entries].count(d.untyped_storage().nbytes()) == 2
+            del d
+    assert counts == [(3, 6), (5, 4)], counts
+
+
 def test_a_peak_bound_cache_keeps_a_whole_set_of_buffers_for_the_next_step():
     """max_idle_bytes=None: everything that was in use at once is kept (any sizes), nothing beyond that."""
     cache = RecycledBuffers(None)

@@ -15,12 +15,15 @@ host (the compute device's working set is counted here too: on a CPU machine it 
   backward_steps    super_offload (stage 3, nvme optimizer): 6 buffer sets x (master + states + gradient)
                     x a tile, and up to 4 unit shards of fp32 gradients waiting to be stepped
   gathered          the unit in use and the prefetched ones: (1 + ceil(prefetch / unit)) x unit, param dtype
+                    (released buffers `hostmem.GatheredPool` keeps for the next gather included: live + idle
+                    never exceeds the most bytes live at once, and idle ones go before a cache maps anew)
   backward          one unit's full gradients and the reduce-scatter bucket (units are added to it until it
                     holds reduce_bucket_size elements): unit + max(unit, bucket), param dtype
-  recycled          free storages `hostmem.recycled` keeps for the next unit, one per byte size: a reduce-scatter
-                    bucket of one unit with its receive workspace (N + N - 1 unit shards, param dtype; the
-                    workspace is used on gloo, counted everywhere) and an fp32 gradient shard, at most
-                    RECYCLE_MAX_IDLE_BYTES
+  recycled          storages `hostmem.recycled` holds beyond the above (per byte size never more than were in use
+                    at once): the second reduce-scatter bucket of one unit with its receive workspace (N + N - 1
+                    unit shards, param dtype; the workspace is used on gloo, counted everywhere: one bucket is
+                    reduced while the next is filled, stage 3 keeps no more in flight under offload) and an
+                    fp32 gradient shard, at most RECYCLE_MAX_IDLE_BYTES
 disk
   optimizer         (1 + states) x 4 x Ψ/N (master + Adam's two moments, fp32)
   gradients         (stage 3, optimizer on nvme) 4 x Ψ/N, or 2 x Ψ/N under bf16/fp16 with one micro-step

@@ -108,14 +108,17 @@ class RecycledBuffers:
     read by an I/O request or a collective is never handed out twice.
 
     max_idle_bytes: free storages kept at most (least recently used dropped first); per_size: free
-    storages kept per byte size. max_idle_bytes=None bounds the cache by its own peak instead: free storages
-    are kept while the bytes it holds (in use + free) stay within the most bytes of its storages ever in use
-    at once (`high`, measured at each `empty`), whatever their sizes, so a set of buffers that is all alive at
-    some point of a step (a ZeRO-3 rank's gradient shards) is reused whole in the next step without raising
-    the cache's peak. Thread-safe. Without the use-count hook (another torch) nothing is kept.
+    storages kept per byte size, or None: as many of a size as were ever in use at once, less those in use
+    now (a size's storages never hold more than at that size's own peak). max_idle_bytes=None bounds the
+    cache by its own peak instead: free storages are kept while the bytes it holds (in use + free) stay
+    within the most bytes of its storages ever in use at once (`high`, measured at each `empty`), whatever
+    their sizes, so a set of buffers that is all alive at some point of a step (a ZeRO-3 rank's gradient
+    shards) is reused whole in the next step without raising the cache's peak. `before_fresh`: callables run
+    before a new storage is allocated (`GatheredPool.watch`). Thread-safe. Without the use-count hook
+    (another torch) nothing is kept.
     """
 
-    def __init__(self, max_idle_bytes: int | None, per_size: int = 1):
+    def __init__(self, max_idle_bytes: int | None, per_size: int | None = 1):
         import threading
 
         import torch
@@ -123,11 +126,14 @@ class RecycledBuffers:
         self._torch, self._lock = torch, threading.Lock()
         self.peak_bound = max_idle_bytes is None
         self.max_idle_bytes = 1 << 62 if self.peak_bound else int(max_idle_bytes)
-        self.per_size = 1 << 30 if self.peak_bound else int(per_size)
+        self.size_peak = per_size is None and not self.peak_bound
+        self.per_size = 1 << 30 if self.peak_bound or per_size is None else int(per_size)
+        self._size_high: dict[int, int] = {}  # size_peak: byte size -> the most storages of it in use at once
         self.high = 0  # peak_bound: the most bytes of this cache's storages in use at once
         self._entries: list = []  # [UntypedStorage], least recently handed out first
         self._use_count = getattr(torch._C, "_storage_Use_Count", None)
         self.reused = self.allocated = 0  # counters (tests, benchmarks)
+        self.before_fresh: list = []  # run before a new allocation (a watching `GatheredPool` frees its idle memory)
 
     def _free(self, storage) -> bool:
         return self._use_count(storage._cdata) == 1
@@ -148,6 +154,8 @@ class RecycledBuffers:
                     storage = self._entries.pop(hit)
                     self.reused += 1
             if storage is None:
+                for hook in self.before_fresh:
+                    hook()
                 storage, fresh = torch.empty(size, dtype=torch.uint8).untyped_storage(), True
                 self.allocated += 1
             if self._use_count is not None and self.max_idle_bytes > 0:
@@ -178,9 +186,18 @@ class RecycledBuffers:
         seen: dict[int, int] = {}
         idle = sum(s.nbytes() for s in free)
         drop = set()
+        if self.size_peak:  # free ones kept per size: the most of that size in use at once, less those in use now
+            busy: dict[int, int] = {}
+            for s in self._entries:
+                if s is current or not self._free(s):
+                    busy[s.nbytes()] = busy.get(s.nbytes(), 0) + 1
+            for n, k in busy.items():
+                self._size_high[n] = max(self._size_high.get(n, 0), k)
         for s in reversed(free):  # newest first: they are kept
-            seen[s.nbytes()] = seen.get(s.nbytes(), 0) + 1
-            if seen[s.nbytes()] > self.per_size:
+            n = s.nbytes()
+            seen[n] = seen.get(n, 0) + 1
+            keep = self._size_high.get(n, 1) - busy.get(n, 0) if self.size_peak else self.per_size
+            if seen[n] > keep:
                 drop.add(id(s))
                 idle -= s.nbytes()
         for s in free:  # oldest first
@@ -205,8 +222,10 @@ class RecycledBuffers:
 
 
 RECYCLE_MAX_IDLE_BYTES = 1 << 30
-recycled = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES)
-"""The process's cache of offload host buffers (`RecycledBuffers`; at most 1 GiB of free storages, 1 per size)."""
+recycled = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES, per_size=None)
+"""The process's cache of offload host buffers (`RecycledBuffers`; at most 1 GiB of free storages, per size as
+many as were in use at once: ZeRO-3's reduce-scatter buckets and gradient staging buffers, two of a size alive at
+a time, were mapped afresh every unit with one kept per size - session 31, bench/README.md)."""
 
 
 def host_empty(numel: int, dtype, device):
@@ -243,42 +262,61 @@ class GatheredPool:
     see the unit's values once it is gathered again) and `acquire` moves memory of the same byte size back in.
 
     Bound: the pool keeps idle memory only while live + idle <= the most bytes ever live at once (`high`),
-    so the peak resident set of the gathered buffers is what it was without the pool; in between steps the
-    pool holds up to `high` bytes. That still moves the process's peak where other memory peaks while a buffer
-    is idle (a reduce-scatter bucket allocated just after its unit's release), so `Stage3Strategy` uses no pool
-    under offload, whose budget frees each buffer at once. Single-threaded (the training thread); host storages
-    only.
+    so the gathered buffers never hold more than at their own peak (`offload.budget`'s "gathered" term). Idle
+    memory is also given up (`drop_idle`) before a watched cache (`watch`) allocates afresh, so a buffer is not
+    idle while a new one is mapped beside it: `Stage3Strategy` watches the offload path's `recycled` and its
+    weight-gradient cache under offload, and the 4Ψ-capped NVMe test (`test_bigger_than_memory`) then peaks
+    where it did without the pool (without offload nothing is watched: the pool is bounded by its peak alone,
+    +11% RSS measured for 0.69x the step time, bench/README.md session 30). Thread-safe; host storages only.
 
-    `buffers`: the same units' shard-sized host buffers (gradient shards, shard copies): a `RecycledBuffers`
-    bounded by its own peak, so a rank's gradient shards, all alive at the step, are reused whole by the next
-    step. `buckets`: their reduce-scatter buckets (one in flight while the next is filled: 2 kept per size, at
-    most RECYCLE_MAX_IDLE_BYTES).
+    `buffers`: the same units' shard-sized host buffers (gradient shards, shard copies), by default a
+    `RecycledBuffers` bounded by its own peak, so a rank's gradient shards, all alive at the step, are reused
+    whole by the next step. `buckets`: their reduce-scatter buckets (one in flight while the next is filled:
+    by default 2 kept per size, at most RECYCLE_MAX_IDLE_BYTES). Under offload both are the process's
+    `recycled` (per size as many as were in use at once), whose storages the offload budget counts.
     """
 
-    def __init__(self):
-        self.buffers = RecycledBuffers(None)
-        self.buckets = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES, per_size=2)
+    def __init__(self, buffers: RecycledBuffers | None = None, buckets: RecycledBuffers | None = None):
+        import threading
+
+        self.buffers = RecycledBuffers(None) if buffers is None else buffers
+        self.buckets = RecycledBuffers(RECYCLE_MAX_IDLE_BYTES, per_size=2) if buckets is None else buckets
+        self._lock = threading.Lock()
         self._idle: list = []  # UntypedStorage holding released memory, oldest first
+        self._watched: list[RecycledBuffers] = []
         self.live = self.high = 0  # bytes held by gathered units now / at most so far
-        self.reused = self.allocated = 0  # counters (tests, benchmarks)
+        self.reused = self.allocated = self.dropped = 0  # counters (tests, benchmarks)
+
+    def watch(self, cache: RecycledBuffers) -> None:
+        """Give up the idle memory before `cache` allocates a new storage (until `close`)."""
+        if all(c is not cache for c in self._watched):
+            cache.before_fresh.append(self.drop_idle)
+            self._watched.append(cache)
 
     def idle_bytes(self) -> int:
         return sum(s.nbytes() for s in self._idle)
 
+    def drop_idle(self) -> None:
+        """Free the idle memory now."""
+        with self._lock:
+            self.dropped += len(self._idle)
+            self._idle = []
+
     def acquire(self, storage, nbytes: int) -> bool:
         """Give the 0-byte `storage` `nbytes` bytes: a released buffer's memory of that size when one is
         idle, else a new allocation. Returns True for a new allocation (fresh pages: advise them)."""
-        hit = next((i for i, s in enumerate(self._idle) if s.nbytes() == nbytes), None) if _SWAP else None
-        if hit is not None:
-            storage._swap_data_ptr_(self._idle.pop(hit))
-            self.reused += 1
-        else:
-            storage.resize_(nbytes)
-            self.allocated += 1
-        self.live += nbytes
-        self.high = max(self.high, self.live)
-        while self._idle and self.live + self.idle_bytes() > self.high:
-            self._idle.pop(0)
+        with self._lock:
+            hit = next((i for i, s in enumerate(self._idle) if s.nbytes() == nbytes), None) if _SWAP else None
+            if hit is not None:
+                storage._swap_data_ptr_(self._idle.pop(hit))
+                self.reused += 1
+            else:
+                storage.resize_(nbytes)
+                self.allocated += 1
+            self.live += nbytes
+            self.high = max(self.high, self.live)
+            while self._idle and self.live + self.idle_bytes() > self.high:
+                self._idle.pop(0)
         return hit is None
 
     def release(self, storage) -> None:
@@ -288,16 +326,24 @@ class GatheredPool:
         n = storage.nbytes()
         if n == 0:
             return
-        self.live = max(0, self.live - n)
-        if _SWAP and self.live + self.idle_bytes() + n <= self.high:
-            spare = torch.UntypedStorage(0, device=storage.device)
-            storage._swap_data_ptr_(spare)
-            self._idle.append(spare)
-        else:
-            storage.resize_(0)
+        with self._lock:
+            self.live = max(0, self.live - n)
+            if _SWAP and self.live + self.idle_bytes() + n <= self.high:
+                spare = torch.UntypedStorage(0, device=storage.device)
+                storage._swap_data_ptr_(spare)
+                self._idle.append(spare)
+                return
+        storage.resize_(0)
 
     def clear(self) -> None:
         """Free every idle buffer (and `buffers`' and `buckets`' free storages)."""
-        self._idle = []
+        self.drop_idle()
         self.buffers.clear()
         self.buckets.clear()
+
+    def close(self) -> None:
+        """`clear`, and stop watching the caches."""
+        self.clear()
+        for cache in self._watched:
+            cache.before_fresh[:] = [h for h in cache.before_fresh if getattr(h, "__self__", None) is not self]
+        self._watched = []

@@ -29,7 +29,7 @@ from ..comm.logger import CommsLogger
 from ..config.zero import DEFAULT_REDUCE_BUCKET_SIZE
 from ..offload.aio import HOST
 from ..offload.grads import SwappedGrads
-from ..offload.hostmem import GatheredPool
+from ..offload.hostmem import GatheredPool, recycled
 from ..offload.backward_steps import BackwardSteps
 from ..offload.budget import BACKWARD_PENDING, BACKWARD_SETS, FORWARD_SHARE
 from ..offload.optimizer import SwappedOptimizer
@@ -107,9 +107,12 @@ class Stage3Strategy(ZeroStrategy):
             optimizer, [p for p, _ in trainable], [n for _, n in trainable]))) if optimizer is not None else {}
         opol = offload.policy if offload is not None else None
         self.units: list[ShardedUnit] = []
-        # released full buffers' host memory for the next unit gathered, and per-step buffers (`hostmem`); not
-        # under offload, whose budget (`offload.budget`) frees each at once (4Ψ-capped NVMe test: +25 MB with it)
-        self.gathered_pool = GatheredPool() if offload is None else None
+        # released full buffers' host memory for the next unit gathered, and per-step buffers (`hostmem`); under
+        # offload the per-step buffers are the offload path's cache (its budget counts them), and the pool gives up
+        # its idle memory before a cache maps a new buffer (the 4Ψ-capped NVMe test peaks as without the pool)
+        self.gathered_pool = GatheredPool() if offload is None else GatheredPool(recycled, recycled)
+        if offload is not None:
+            self.gathered_pool.watch(recycled)
         for i, plan in enumerate(self.plans):  # one unit at a time, so NVMe offload never holds them all
             u = ShardedUnit(i, plan.name, [(named[n], n, a) for n, a in zip(plan.params, plan.aliases)],
                             rank=self.rank, world=self.world, shape_of=init.shape_of, full_value=full_value,
@@ -129,6 +132,8 @@ class Stage3Strategy(ZeroStrategy):
         self._swapped_units = [u for u in self.units if u.master_store is not None]
         # host nn.Linear weight gradients into recycled memory (`stage3_linear`; DeepSpeed's key of the same name)
         self.linears = RecycledGradLinears(module, self.units) if memory_efficient_linear else None
+        if self.linears is not None and offload is not None:
+            self.gathered_pool.watch(self.linears.cache)
         self._lp_stage: torch.Tensor | None = None  # the swap buffer of the shard whose tiles are being written
         self._backward_steps: BackwardSteps | None = None  # super_offload
         self._deferred: frozenset[int] = frozenset()  # masters whose step waits for the next forward
@@ -148,7 +153,8 @@ class Stage3Strategy(ZeroStrategy):
         self.scheduler = GatherScheduler(
             module, self.units, comms=self.comms, prefetch_bucket_size=prefetch_bucket_size,
             max_live=max_live_parameters, max_reuse=max_reuse_distance, post=post,
-            predivide=pre, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size)
+            predivide=pre, sanity_checks=sanity_checks, reduce_bucket_size=reduce_bucket_size,
+            max_reduce_in_flight=1 if offload is not None else 2)
         self._state_dict_hooks = StateDictHooks(self)
         self.scheduler.on_forward_start = self._state_dict_hooks.reset
         ctx.register_strategy(self)
@@ -403,8 +409,6 @@ class Stage3Strategy(ZeroStrategy):
         self._materialize_grads()  # (a no-op when the engine steps: clip_and_norm did it)
         if self.swapped is not None:  # NVMe: stream the tiles; each lands in its unit's parameter shard
             self._settle_all()
-            if self.linears is not None:  # the tiles' memory budget: no idle buffers of the backward held through
-                self.linears.cache.clear()
             done, deferred = self._end_backward_steps(), frozenset()
             if done:  # super_offload: the tiles stepped in the backward; the deferred ones wait for the forward
                 deferred = self._defer_steps()
@@ -485,7 +489,6 @@ class Stage3Strategy(ZeroStrategy):
                 sp.param.grad = None
             u.full.untyped_storage().resize_(0)
         self.units = []
-        if self.gathered_pool is not None:
-            self.gathered_pool.clear()
+        self.gathered_pool.close()
         if self.linears is not None:
             self.linears.remove()

@@ -13,10 +13,10 @@ Storage (as in FSDP2's `FSDPParam`, whose per-parameter state we mirror; DeepSpe
 * each unit owns one persistent full buffer `full` ([padded] elements). While SHARDED its storage is
   resized to 0 bytes; gathering resizes it back and all-gathers into it. Views of it saved by
   autograd during forward therefore see the re-gathered values in backward without a copy. On the
-  host without offload the released memory goes to the strategy's `offload.hostmem.GatheredPool` (`pool`) and
-  the next unit gathered takes it from there (fresh pages, zeroed by the kernel on first touch, cost more than
-  the all-gather's copy), as do its per-step buffers (`pool.buffers`, `pool.buckets`); a fresh mapping is
-  advised to use huge pages (`offload.hostmem.advise_huge_pages`).
+  host the released memory goes to the strategy's `offload.hostmem.GatheredPool` (`pool`) and the next unit
+  gathered takes it from there (fresh pages, zeroed by the kernel on first touch, cost more than the
+  all-gather's copy), as do its per-step buffers (`pool.buffers`, `pool.buckets`: under offload the offload
+  path's `recycled`); a fresh mapping is advised to use huge pages (`offload.hostmem.advise_huge_pages`).
 * a parameter's `.data` is a view into `full` while the unit is GATHERED and a 0-element
   placeholder otherwise, so a stray use fails on the shape instead of reading freed memory.
   Tensors derived from a gathered parameter (`p.detach()`, views) are valid only while its unit is
