@@ -7,7 +7,8 @@ step must ask the caches (the strategy's `gathered_pool.buffers`, bounded by its
 per unit with gradients, for: the reduce-scatter's bucket with its receive workspace, the averaged
 `shard.grad`, and the copy of the shard out of the released full buffer (fp32 without a separate master);
 from the second step on none is a new allocation. ZeRO-2's chunks take their receive workspace from the
-process's cache (`offload.hostmem.recycled`, one free storage per byte size): at least one reused per step.
+process's cache (`offload.hostmem.recycled`, per byte size as many as were in use at once): at least one
+reused per step.
 Losses are checked against plain PyTorch by test_zero3.py and test_zero12.py.
 
 The units' full buffers and the nn.Linear weight gradients (session 30): from the second step on, every gather
