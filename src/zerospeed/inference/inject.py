@@ -56,6 +56,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..offload.hostmem import collapse_huge_pages
+from .decode import with_decode_loop
 
 __all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS", "constants_onto_huge_pages"]
 
@@ -73,7 +74,8 @@ class FrozenCompiledCall:
     the module's own weight tensors (no packed copy). cpp_wrapper=False: inductor's Python wrapper instead (a step
     with torch's functional collectives, which the C++ wrapper cannot call in torch 2.13: "NotImplementedError: arg
     type Any is not yet supported by custom_op_wrapper"). huge_pages: after a call, the constants of the graphs it
-    compiled and (once per cache object) the KV cache passed as `past_key_values` move onto huge pages (see the
+    compiled and (once per cache object) the KV cache passed as `cache` (`past_key_values` in older transformers)
+    move onto huge pages (see the
     module docstring)."""
 
     def __init__(self, fn, freeze: bool = True, math_attention: bool = False, cpp_wrapper: bool = True,
@@ -91,7 +93,7 @@ class FrozenCompiledCall:
             out = self.compiled(*args, **kwargs)
         if self.huge_pages:
             constants_onto_huge_pages(loaded)
-            self._cache_onto_huge_pages(kwargs.get("past_key_values"))
+            self._cache_onto_huge_pages(kwargs.get("cache", kwargs.get("past_key_values")))
         return out
 
     def _cache_onto_huge_pages(self, cache) -> None:
@@ -169,6 +171,7 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
             collapse_huge_pages(t)
     module.get_compiled_call = types.MethodType(lambda self, compile_config=None: call, module)
     module._prepare_static_cache = types.MethodType(_reused_cache(module._prepare_static_cache), module)
+    with_decode_loop(module)
     return call
 
 

@@ -1,0 +1,119 @@
+"""Kernel injection's decode loop (`inference/decode.py`): the calls it takes give HF's own tokens, the rest
+run HF's loop.
+
+One injected tiny GPT-2 (fp32) against the plain model, same weights: greedy over left-padded prompts, sampling
+under the same seed (the loop draws as `_sample` does), an end-of-sequence token that finishes rows early
+(padded after it, the call ends when every row has); beam search, `return_dict_in_generate` and a streamer
+take HF's loop, with HF's results.
+"""
+import pytest
+import torch
+
+import zerospeed
+from zerospeed.inference.decode import decode_loop_calls
+from zerospeed.testing.models import tiny_hf_gpt2
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def models():
+    ref = tiny_hf_gpt2().eval()
+    engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
+    return ref, engine.module
+
+
+def _prompt(seed=3):
+    ids = torch.randint(1, 256, (3, 10), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :2] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _both(models, seed=None, **kw):
+    """(plain model's output, injected model's output, how many calls the fast loop took)."""
+    ref, module = models
+    out = []
+    before = decode_loop_calls["fast"]
+    for model in (ref, module):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            out.append(model.generate(**kw))
+    return out[0], out[1], decode_loop_calls["fast"] - before
+
+
+def test_greedy_and_sampling_take_the_decode_loop_with_hfs_tokens(models):
+    ids, mask = _prompt()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    want, got, fast = _both(models, do_sample=False, **kw)
+    assert fast == 1 and torch.equal(got, want), (got, want)
+    want, got, fast = _both(models, seed=11, do_sample=True, top_k=40, temperature=0.8, **kw)
+    assert fast == 1 and torch.equal(got, want), (got, want)
+    assert not torch.equal(got, _both(models, do_sample=False, **kw)[0])  # the sampling call did sample
+
+
+def test_end_of_sequence_pads_finished_rows_and_stops(models):
+    """eos = the token the plain model emits third in row 1: that row is padded after it; the call ends when every
+    row has ended or at max_new_tokens, as HF's."""
+    ids, mask = _prompt(seed=4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, do_sample=False)
+    plain, _, _ = _both(models, eos_token_id=None, **kw)
+    eos = int(plain[1, 10 + 2])
+    want, got, fast = _both(models, eos_token_id=eos, **kw)
+    assert fast == 1 and torch.equal(got, want), (got, want)
+    assert (got[1, 13:] == 0).all() and got.shape[1] <= plain.shape[1]
+
+
+def test_other_modes_keep_hfs_loop(models):
+    from transformers import TextStreamer
+
+    ids, mask = _prompt(seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, do_sample=False)
+    want, got, fast = _both(models, num_beams=2, **kw)
+    assert fast == 0 and torch.equal(got, want)
+    want, got, fast = _both(models, return_dict_in_generate=True, output_scores=True, **kw)
+    assert fast == 0 and torch.equal(got.sequences, want.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.scores, want.scores))
+
+    class Tokens(TextStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen.append(value)
+
+        def end(self):
+            pass
+
+    streamer = Tokens()
+    want, got, fast = _both(models, streamer=streamer, **{**kw, "input_ids": ids[:1], "attention_mask": mask[:1]})
+    assert fast == 0 and torch.equal(got, want) and len(streamer.seen) == 2 * 7  # prompt + 6 tokens, each model
+
+
+def test_inputs_that_advance_otherwise_are_caught_at_the_second_step(models):
+    """A model whose prepared inputs do not advance as the loop assumes (here every step at position 0): the loop
+    sees it at the second decode step and keeps HF's bookkeeping from there, so the tokens are HF's loop's on
+    the same model."""
+    _, module = models
+    prepare = module.prepare_inputs_for_generation
+
+    def pinned(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        if out.get("position_ids") is not None:
+            out["position_ids"] = torch.zeros_like(out["position_ids"])
+        return out
+
+    ids, mask = _prompt(seed=6)
+    kw = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, do_sample=False)
+    module.prepare_inputs_for_generation = pinned
+    try:
+        before = dict(decode_loop_calls)
+        with torch.no_grad():
+            want = type(module).generate(module, ids, **kw)  # HF's loop
+            got = module.generate(ids, **kw)
+    finally:
+        del module.prepare_inputs_for_generation
+    assert decode_loop_calls["checked_out"] == before["checked_out"] + 1
+    assert decode_loop_calls["fast"] == before["fast"] and torch.equal(got, want)
