@@ -75,8 +75,7 @@ class FrozenCompiledCall:
     with torch's functional collectives, which the C++ wrapper cannot call in torch 2.13: "NotImplementedError: arg
     type Any is not yet supported by custom_op_wrapper"). huge_pages: after a call, the constants of the graphs it
     compiled and (once per cache object) the KV cache passed as `cache` (`past_key_values` in older transformers)
-    move onto huge pages (see the
-    module docstring)."""
+    move onto huge pages (see the module docstring)."""
 
     def __init__(self, fn, freeze: bool = True, math_attention: bool = False, cpp_wrapper: bool = True,
                  huge_pages: bool = False):
