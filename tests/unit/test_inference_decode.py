@@ -1,7 +1,7 @@
 """Kernel injection's decode loop (`inference/decode.py`): the calls it takes give HF's own tokens, the rest
 run HF's loop.
 
-One injected tiny GPT-2 (fp32) against the plain model, same weights: greedy over left-padded prompts, sampling
+An injected tiny GPT-2 (fp32; and a Llama for greedy and sampling) against the plain model, same weights: greedy over left-padded prompts, sampling
 under the same seed (the loop draws as `_sample` does), an end-of-sequence token that finishes rows early
 (padded after it, the call ends when every row has); beam search, `return_dict_in_generate` and a streamer
 take HF's loop, with HF's results.
@@ -11,16 +11,20 @@ import torch
 
 import zerospeed
 from zerospeed.inference.decode import decode_loop_calls
-from zerospeed.testing.models import tiny_hf_gpt2
+from zerospeed.testing.models import tiny_hf_gpt2, tiny_hf_llama
 
 pytest.importorskip("transformers")
 
 
+def _injected(build):
+    """(the plain model, the injected model's module), same weights."""
+    engine = zerospeed.init_inference(build().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
+    return build().eval(), engine.module
+
+
 @pytest.fixture(scope="module")
 def models():
-    ref = tiny_hf_gpt2().eval()
-    engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
-    return ref, engine.module
+    return _injected(tiny_hf_gpt2)
 
 
 def _prompt(seed=3):
@@ -52,6 +56,16 @@ def test_greedy_and_sampling_take_the_decode_loop_with_hfs_tokens(models):
     want, got, fast = _both(models, seed=11, do_sample=True, top_k=40, temperature=0.8, **kw)
     assert fast == 1 and torch.equal(got, want), (got, want)
     assert not torch.equal(got, _both(models, do_sample=False, **kw)[0])  # the sampling call did sample
+
+
+def test_llama_takes_the_decode_loop_with_hfs_tokens():
+    """Grouped-query attention and rotary positions (tiny HF Llama): the same greedy and sampled tokens as HF."""
+    pair = _injected(tiny_hf_llama)
+    ids, mask = _prompt(seed=7)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    for seed, sampling in ((None, {"do_sample": False}), (5, {"do_sample": True, "top_p": 0.9})):
+        want, got, fast = _both(pair, seed=seed, **sampling, **kw)
+        assert fast == 1 and torch.equal(got, want), (sampling, got, want)
 
 
 def test_end_of_sequence_pads_finished_rows_and_stops(models):
