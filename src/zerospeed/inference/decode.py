@@ -33,7 +33,9 @@ __all__ = ["decode_loop", "with_decode_loop", "decode_loop_calls"]
 
 # model inputs the loop knows how to advance by one token (anything else: HF's loop)
 _STEP_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep"})
-# generate()'s own arguments that need HF's loop whatever their value (anything but None / False)
+# generate()'s own arguments that need HF's loop whatever their value (anything but None / False): HF hands a
+# callable `custom_generate` none of streamer / synced_gpus / assistant_model (only the callable's extra keywords),
+# so such calls must not get the hook at all; decode_loop's own streamer / synced_gpus checks are for direct calls
 _HF_LOOP_ARGS = ("streamer", "assistant_model", "synced_gpus", "custom_generate", "prefix_allowed_tokens_fn",
                  "negative_prompt_ids")
 decode_loop_calls = {"fast": 0, "hf": 0, "checked_out": 0}  # how often each loop ran (tests read it)
