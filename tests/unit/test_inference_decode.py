@@ -131,3 +131,45 @@ def test_inputs_that_advance_otherwise_are_caught_at_the_second_step(models):
         del module.prepare_inputs_for_generation
     assert decode_loop_calls["checked_out"] == before["checked_out"] + 1
     assert decode_loop_calls["fast"] == before["fast"] and torch.equal(got, want)
+
+
+def test_decode_steps_after_the_second_skip_dynamos_guards_and_keep_hfs_tokens(models):
+    """Within one call the compiled step runs without dynamo's guards from its third step (`again`: 12 new tokens
+    = a prefill and 11 steps, 9 of them unguarded); a call at another batch size is guarded again at its first
+    step (its own graph, HF's tokens)."""
+    ref, module = models
+    call = module.get_compiled_call()
+    ids, mask = _prompt(seed=5)
+    kw = dict(max_new_tokens=12, pad_token_id=0, do_sample=False)
+    for rows in (3, 1, 3):
+        before = call.unguarded_calls
+        want, got, fast = _both(models, input_ids=ids[:rows], attention_mask=mask[:rows], **kw)
+        assert fast == 1 and torch.equal(got, want), (rows, got, want)
+        assert call.whole_graph and call.unguarded_calls - before == 9, rows
+
+
+def test_again_runs_the_guards_on_a_new_signature_or_a_step_with_graph_breaks():
+    """`FrozenCompiledCall.again` skips the guards only for the last guarded call's signature and only for a step
+    that compiles to one graph; a step with a graph break compiles with it and is always guarded."""
+    from zerospeed.inference.inject import FrozenCompiledCall
+
+    def one_graph(x, scale=2.0):
+        return x * scale + 1
+
+    def with_break(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    call = FrozenCompiledCall(one_graph)
+    a, b = torch.randn(4, 3), torch.randn(5, 3)
+    assert torch.equal(call(a), a * 2 + 1) and call.unguarded_calls == 0
+    assert torch.equal(call.again(a + 1), (a + 1) * 2 + 1) and call.unguarded_calls == 1
+    assert torch.equal(call.again(b), b * 2 + 1) and call.unguarded_calls == 1  # new shape: guarded (recompiled)
+    assert torch.equal(call.again(b.t().contiguous().t()), b * 2 + 1) and call.unguarded_calls == 1  # new strides
+    assert torch.equal(call.again(b, scale=3.0), b * 3 + 1) and call.unguarded_calls == 1  # a new argument
+    assert torch.equal(call.again(b, scale=3.0), b * 3 + 1) and call.unguarded_calls == 2
+    broken = FrozenCompiledCall(with_break)
+    for _ in range(3):
+        assert torch.equal(broken.again(a), a * 2 + 1)
+    assert not broken.whole_graph and broken.unguarded_calls == 0
