@@ -173,3 +173,30 @@ def test_again_runs_the_guards_on_a_new_signature_or_a_step_with_graph_breaks():
     for _ in range(3):
         assert torch.equal(broken.again(a), a * 2 + 1)
     assert not broken.whole_graph and broken.unguarded_calls == 0
+
+
+def test_the_decode_step_attends_the_filled_part_of_the_cache_with_one_graph():
+    """Prompt 10 + 40 new tokens: a 50-position cache (49 + the spare one); the steps pass masks cut to the filled
+    positions rounded up to 32 (32, then 49: never the whole cache), HF's tokens, one compiled graph for both
+    lengths."""
+    from torch._dynamo.utils import counters
+
+    from zerospeed.inference import prefix_attention
+
+    pair = _injected(tiny_hf_gpt2)
+    ref, module = pair
+    assert module.config._attn_implementation == prefix_attention.NAME
+    call = module.get_compiled_call()
+    lengths, call_step = [], call._call
+
+    def spy(stance, args, kwargs):
+        lengths.append(kwargs["attention_mask"].shape[-1])
+        return call_step(stance, args, kwargs)
+
+    call._call = spy
+    counters.clear()
+    ids, mask = _prompt(seed=6)
+    want, got, fast = _both(pair, input_ids=ids, attention_mask=mask, max_new_tokens=40, pad_token_id=0,
+                            do_sample=False)
+    assert fast == 1 and torch.equal(got, want), (got, want)
+    assert sorted(set(lengths)) == [32, 49] and counters["stats"]["unique_graphs"] == 1, (lengths, counters["stats"])

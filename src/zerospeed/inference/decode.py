@@ -30,6 +30,8 @@ import inspect
 
 import torch
 
+from . import prefix_attention
+
 __all__ = ["decode_loop", "with_decode_loop", "decode_loop_calls"]
 
 # model inputs the loop knows how to advance by one token (anything else: HF's loop)
@@ -119,6 +121,7 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
     if pad is not None:
         pad = pad.to(device)
     inputs, step, hf_steps = None, 0, False  # this step's model inputs; decode steps run; HF's bookkeeping on
+    prefix = getattr(model.config, "_attn_implementation", None) == prefix_attention.NAME  # attend the filled part
     with model._optimize_model_for_decode():
         while True:
             if step < 2 or hf_steps:  # HF's own bookkeeping (until the second step's check)
@@ -148,7 +151,9 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
                         decode_loop_calls["fast"] -= 1
                         decode_loop_calls["checked_out"] += 1
             again = getattr(forward, "again", None)  # kernel injection's compiled step: guards skipped when unchanged
-            outputs = (again if again is not None and step >= 2 and not hf_steps else forward)(**inputs, return_dict=True)
+            call = again if again is not None and step >= 2 and not hf_steps else forward
+            outputs = call(**(_filled(inputs, input_ids.shape[1] - 1) if prefix and not hf_steps else inputs),
+                           return_dict=True)
             step += 1
 
 
@@ -165,6 +170,16 @@ def _advance(inputs: dict, nxt: torch.Tensor, column: int) -> dict:
     if isinstance(mask, torch.Tensor) and mask.ndim == 4:
         mask[..., column] = mask[..., column - 1]
     return out
+
+
+def _filled(inputs: dict, position: int) -> dict:
+    """The step's inputs with the 4-D mask [batch, 1, 1, cache length] cut to the positions written so far,
+    rounded up (`prefix_attention.filled_length`; the new token's at `position`), its length marked dynamic."""
+    mask = inputs.get("attention_mask")
+    if not (isinstance(mask, torch.Tensor) and mask.ndim == 4):
+        return inputs
+    length = prefix_attention.filled_length(position, mask.shape[-1])
+    return {**inputs, "attention_mask": prefix_attention.mark_length_dynamic(mask[..., :length])}
 
 
 def _same(ours: dict, hf: dict) -> bool:

@@ -8,7 +8,9 @@ device:
   [batch, kv heads (this rank's, under tensor parallelism), max length, head dim] per layer, updated in
   place, sized by `generate` to prompt + new tokens (and kept at the largest size seen, so later calls do
   not recompile);
-* attention is `scaled_dot_product_attention` (HF's "sdpa" implementation);
+* attention is `scaled_dot_product_attention` (HF's "sdpa" implementation), in the decode step over the
+  cache's filled positions only (`prefix_attention`: the mask cut to them, rounded up to 32; one graph for every
+  length; the cache gets one spare position so that the cut is never the whole cache);
 * the one-token decode step runs through `torch.compile` (inductor, max-autotune, with `freezing`: the
   weights become constants and every linear layer a prepacked GEMM template). Measured on this machine's 2
   cores for a 124M-parameter GPT-2 at batch 1: 19 ms per decode step against 42 ms eager, i.e. the weights
@@ -58,6 +60,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..offload.hostmem import collapse_huge_pages
+from . import prefix_attention
 from .decode import with_decode_loop
 
 __all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS", "constants_onto_huge_pages"]
@@ -65,6 +68,12 @@ __all__ = ["inject_kernels", "FrozenCompiledCall", "DECODE_COMPILE_OPTIONS", "co
 # inductor options of the decode step: those of mode "max-autotune-no-cudagraphs" (GEMM templates benchmarked
 # against the library's) plus the C++ wrapper (the kernels launched from C++, not from a Python function per call)
 DECODE_COMPILE_OPTIONS = {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "cpp_wrapper": True}
+
+
+RECOMPILE_LIMIT = 64  # compiled decode steps per code object (engines x batch sizes) before dynamo gives up
+# what a fullgraph compile raises where the step is not one graph it can compile: a graph break, or dynamo's
+# recompile limit reached (more engines or shapes than `torch._dynamo.config.recompile_limit`)
+_NOT_ONE_GRAPH = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 class FrozenCompiledCall:
@@ -95,7 +104,11 @@ class FrozenCompiledCall:
 
     def __call__(self, *args, **kwargs):
         self._guarded = _signature(args, kwargs)
-        return self._call(contextlib.nullcontext(), args, kwargs)
+        # every engine over a model class, and every batch size, is a graph of its own for the one code object
+        # (HF's forward): dynamo's default limit of 8 per code object would leave the ninth eager
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return self._call(contextlib.nullcontext(), args, kwargs)
 
     def again(self, *args, **kwargs):
         """The step once more, for a caller that knows nothing but the tensors' values changed since the last call
@@ -117,7 +130,7 @@ class FrozenCompiledCall:
         with torch.no_grad(), inductor_config.patch(freezing=self.freeze), attention, stance:
             try:
                 out = self.compiled(*args, **kwargs)
-            except torch._dynamo.exc.Unsupported:
+            except _NOT_ONE_GRAPH:  # a graph break, or past dynamo's recompile limit (then: eager, as without fullgraph)
                 if not self.whole_graph:
                     raise
                 self.whole_graph, self.compiled = False, self._with_breaks()
@@ -215,6 +228,8 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
     impl = getattr(module.config, "_attn_implementation", None)
     if impl not in (None, "sdpa") and hasattr(module, "set_attn_implementation"):
         module.set_attn_implementation("sdpa")
+    if getattr(module.config, "_attn_implementation", None) == "sdpa" and hasattr(module, "set_attn_implementation"):
+        module.set_attn_implementation(prefix_attention.register())  # SDPA over the cache's filled part only
     gen.cache_implementation = "static"
     cc = CompileConfig(fullgraph=False, dynamic=False, mode="max-autotune-no-cudagraphs")
     cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
@@ -233,10 +248,16 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
 
 def _reused_cache(prepare):
     """Wrap HF's `_prepare_static_cache(cache_implementation, batch_size, max_cache_len, ...)`: the cache it
-    built earlier for the same batch size and (effective) length, reset, instead of a new one."""
+    built earlier for the same batch size and (effective) length, reset, instead of a new one; max_cache_len
+    asked `prefix_attention.SPARE` positions longer (the decode step's attention over the filled part is then
+    never a cut of the whole cache: one compiled graph for every length)."""
     caches: dict[tuple, object] = {}
 
     def wrapped(self, *args, **kwargs):
+        if "max_cache_len" in kwargs:
+            kwargs["max_cache_len"] += prefix_attention.SPARE
+        elif len(args) > 2:
+            args = (*args[:2], args[2] + prefix_attention.SPARE, *args[3:])
         fresh = prepare(*args, **kwargs)  # lazy: its tensors are allocated on first use
         batch = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
         key = (batch, getattr(self, "_previous_max_cache_length", None), self.dtype)
