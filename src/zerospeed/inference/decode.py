@@ -13,10 +13,12 @@ inputs against HF's own (`prepare_inputs_for_generation`); where they differ (a 
 otherwise) it keeps HF's bookkeeping for the rest of the call (`decode_loop_calls["checked_out"]`). The compiled
 step sees the same tensors HF's loop would pass it. Token selection, logits processors, stopping criteria and the
 padding of finished sequences are `_sample`'s, line for line, so the tokens (and, sampling, the random draws) are
-HF's. From the third step the compiled step is called as `again` (kernel injection's `FrozenCompiledCall`: dynamo's
-guards skipped while the arguments keep the guarded call's shapes). Measured on a 124M GPT-2 (prompt 128, 128 new tokens, one process, HF's loop and this one interleaved):
+HF's. Measured on a 124M GPT-2 (prompt 128, 128 new tokens, one process, HF's loop and this one interleaved):
 between two compiled steps 0.85 -> 0.42 ms at batch 1 (0.967x per token), 1.20 -> 0.71 ms at batch 8 (0.970x)
-(bench/README.md, session 32).
+(bench/README.md, session 32). Under kernel injection two more cuts (session 33): the step's mask is cut to the
+cache's filled positions (`prefix_attention`: its attention reads no unwritten keys and values), and from the third
+step the step is called as `again` (`FrozenCompiledCall`: dynamo's guards skipped while the arguments keep the
+guarded call's shapes).
 
 Anything else keeps HF's own loop (`_sample`, or the mode's method): beam search, assisted decoding, a
 streamer, `return_dict_in_generate`, `synced_gpus`, an encoder-decoder model, model inputs other than the
@@ -122,6 +124,7 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
         pad = pad.to(device)
     inputs, step, hf_steps = None, 0, False  # this step's model inputs; decode steps run; HF's bookkeeping on
     prefix = getattr(model.config, "_attn_implementation", None) == prefix_attention.NAME  # attend the filled part
+    again = getattr(forward, "again", None)  # kernel injection's compiled step: guards skipped when unchanged
     with model._optimize_model_for_decode():
         while True:
             if step < 2 or hf_steps:  # HF's own bookkeeping (until the second step's check)
@@ -150,7 +153,6 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
                         inputs, hf_steps = hf, True
                         decode_loop_calls["fast"] -= 1
                         decode_loop_calls["checked_out"] += 1
-            again = getattr(forward, "again", None)  # kernel injection's compiled step: guards skipped when unchanged
             call = again if again is not None and step >= 2 and not hf_steps else forward
             outputs = call(**(_filled(inputs, input_ids.shape[1] - 1) if prefix and not hf_steps else inputs),
                            return_dict=True)

@@ -114,11 +114,12 @@ class FrozenCompiledCall:
         """The step once more, for a caller that knows nothing but the tensors' values changed since the last call
         (the decode loop within one `generate`): where the step compiles to one graph (`whole_graph`: the graphs
         after a break take inputs no signature here sees, e.g. routed rows under expert parallelism) and the
-        arguments' signature (each tensor's shape, strides, dtype and device; every other argument's identity)
-        equals the last guarded call's, dynamo's guards are skipped (`torch.compiler.set_stance(
-        skip_guard_eval_unsafe=True)`: only those that tell its compiled graphs apart run); otherwise an ordinary,
-        guarded call. Measured on the 124M GPT-2 at batch 1 (the decode loop with and without it, interleaved in
-        one process): 0.968x the time per token, 16 pairs (bench/README.md, session 33)."""
+        arguments' signature (`_signature`: each tensor's shape, strides, dtype and device, each number's value,
+        each other object's identity) equals the last guarded call's, dynamo's guards are skipped
+        (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`: only those that tell its compiled graphs apart
+        run); otherwise an ordinary, guarded call. Measured on the 124M GPT-2 at batch 1 (the decode loop with and
+        without it, interleaved in one process): 0.968x the time per token, 16 pairs (bench/README.md, session
+        33)."""
         if not self.whole_graph or _signature(args, kwargs) != self._guarded:
             return self(*args, **kwargs)
         self.unguarded_calls += 1
@@ -130,7 +131,7 @@ class FrozenCompiledCall:
         with torch.no_grad(), inductor_config.patch(freezing=self.freeze), attention, stance:
             try:
                 out = self.compiled(*args, **kwargs)
-            except _NOT_ONE_GRAPH:  # a graph break, or past dynamo's recompile limit (then: eager, as without fullgraph)
+            except _NOT_ONE_GRAPH:  # a graph break, or past the recompile limit (then eager, as without fullgraph)
                 if not self.whole_graph:
                     raise
                 self.whole_graph, self.compiled = False, self._with_breaks()
