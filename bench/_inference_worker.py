@@ -30,6 +30,7 @@ weight shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -172,6 +173,41 @@ def collective_seconds(group, batch: int, d: int, vocab: int, blocks: int = 10, 
     return result
 
 
+class InStepCollectives:
+    """A context, entered around each timed `generate` at tp 2: the wall seconds this rank spends inside the
+    decode step's collectives (`comm.traced`'s point-to-point exchanges on gloo, wrapped for the duration; the
+    compiled step calls them through its custom ops, which look the function up per call), appended per
+    generate to `seconds` (and the calls to `calls`). Unlike `collective_seconds` (each op timed alone,
+    back to back), this includes what the step's own conditions add: the wait for the other rank (which reaches
+    the exchange later) and the wake-ups of each rank's gloo threads between kernels that fill both cores."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self.calls: list[int] = []
+
+    def __enter__(self):
+        from zerospeed.comm import traced
+
+        self._module, self._orig = traced, traced._exchange
+        self.seconds.append(0.0)
+        self.calls.append(0)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return self._orig(*a, **k)
+            finally:
+                self.seconds[-1] += time.perf_counter() - t
+                self.calls[-1] += 1
+
+        traced._exchange = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._module._exchange = self._orig
+        return False
+
+
 def run(args, world: int) -> dict:
     from zerospeed.inference.quant import weight_bytes
     from zerospeed.testing.rss import reset_peak_rss
@@ -227,8 +263,10 @@ def run(args, world: int) -> dict:
     prefill_s = [generate(1)[0] for _ in range(PREFILL_SAMPLES)]  # time to first token
     gen_s, gen_cpu_s, out = [], [], None
     reads = [bracket()]
+    in_step = InStepCollectives() if world > 1 else contextlib.nullcontext()
     for _ in range(args.inner):
-        wall, cpu, out = generate()
+        with in_step:
+            wall, cpu, out = generate()
         gen_s.append(wall)
         gen_cpu_s.append(cpu)
         reads.append(bracket())
@@ -236,7 +274,9 @@ def run(args, world: int) -> dict:
     if world > 1:  # what tensor parallelism adds per token here: the step's collectives, counted and timed
         comm = {"collectives_per_token": collectives_per_token(module, args.batch),
                 "collective_s": collective_seconds(keep.tp.group, args.batch, MODELS[args.model]["n_embd"],
-                                                   VOCAB)}
+                                                   VOCAB),
+                # seconds inside the step's collectives per timed generate (this rank), and their calls
+                "in_step_collective_s": in_step.seconds, "in_step_collective_calls": in_step.calls}
     per_rank = [{"peak_rss_bytes": max([vm_hwm_bytes(), *peaks]), "start_rss_bytes": rss_start,
                  "setup_rss_bytes": rss_after_setup, "weight_bytes": wbytes, "wpe_bytes": wpe_bytes}]
     if world > 1:

@@ -261,6 +261,10 @@ def aggregate(runs: list[dict], bw: float | None) -> list[dict]:
                 row["collectives_per_token"] = comm[0]["collectives_per_token"]
                 row["collective_s"] = {op: statistics.median(r["collective_s"][op] for r in comm)
                                        for op in comm[0]["collective_s"]}
+                inside = [in_step_seconds_per_step(r) for r in comm]
+                inside = [x for x in inside if x is not None]
+                if inside:  # the same collectives timed inside the timed generates' steps (since session 35)
+                    row["in_step_collective_s_per_step"] = statistics.median(inside)
             if len(valid) < len(rates):
                 row["note"] = (f"{len(rates) - len(valid)} of {len(rates)} launches: prefill >= generate (no decode "
                                "rate: the machine was busy)")
@@ -326,12 +330,26 @@ def comm_seconds_per_token(row: dict) -> float | None:
     return sum(n * secs["all_gather" if "gather" in op else "all_reduce"] for op, n in calls.items())
 
 
-def tp_limits(tp: dict, tp1: dict) -> tuple[float, float] | None:
+def in_step_seconds_per_step(launch: dict) -> float | None:
+    """Seconds one rank spends inside a step's collectives, from a tp launch's timed generates (the worker's
+    `InStepCollectives`: seconds and calls per generate): the median over its generates of seconds per call,
+    times the collectives one step issues (`collectives_per_token`). The prefill's few larger messages are
+    among the calls (1 forward in N)."""
+    secs, calls = launch.get("in_step_collective_s"), launch.get("in_step_collective_calls")
+    per_step = sum((launch.get("collectives_per_token") or {}).values())
+    if not secs or not calls or not per_step:
+        return None
+    return statistics.median(s / n for s, n in zip(secs, calls) if n) * per_step
+
+
+def tp_limits(tp: dict, tp1: dict, c: float | None = None) -> tuple[float, float] | None:
     """(tp 2 ÷ tp 1 this machine allows, what a node of 2 devices with their own memory would reach) from
-    tp 1's time per decode step t1 and the tp row's collective seconds per step c: here the two ranks share
-    one memory bus, so reading half the weights each takes t1 still: t1 / (t1 + c); with a memory per device
-    each reads its half in t1 / 2: t1 / (t1 / 2 + c), with this machine's collective time."""
-    c = comm_seconds_per_token(tp)
+    tp 1's time per decode step t1 and the tp row's collective seconds per step c (default: each collective
+    timed alone, `comm_seconds_per_token`; the row's `in_step_collective_s_per_step`: as they run in the step):
+    here the two ranks share one memory bus, so reading half the weights each takes t1 still: t1 / (t1 + c);
+    with a memory per device each reads its half in t1 / 2: t1 / (t1 / 2 + c), with this machine's collective
+    time."""
+    c = comm_seconds_per_token(tp) if c is None else c
     if c is None or not tp1.get("decode_tps"):
         return None
     t1 = tp1["batch"] / tp1["decode_tps"]
@@ -386,10 +404,15 @@ def targets_table(rows: list[dict], batches: list[int], kernel_of_probe: dict | 
         for b in batches:
             tp, tp1 = by.get((model, b, "zs-tp2-fp32")), by.get((model, b, "zs-fp32"))
             lim = tp_limits(tp, tp1) if tp and tp1 else None
+            inside = tp.get("in_step_collective_s_per_step") if tp else None
+            lin = tp_limits(tp, tp1, inside) if tp and tp1 and inside else None
+            text = (f"{lim[0]:.2f} (one memory bus; {comm_seconds_per_token(tp) * 1e3:.1f} ms of collectives per step "
+                    f"timed alone); {lim[1]:.2f} with a memory per device" if lim else "")
+            if lin:
+                text += (f"; with the {inside * 1e3:.1f} ms they take inside the step: {lin[0]:.2f} "
+                         f"(one bus), {lin[1]:.2f} (a memory per device)")
             add(model, f"zs-tp2-fp32 B={b} decode ÷ zs-fp32 >= 0.8", ratio(model, b, "zs-tp2-fp32", "zs-fp32"),
-                lambda x: x >= 0.8, limit=(f"{lim[0]:.2f} (one memory bus; {comm_seconds_per_token(tp) * 1e3:.1f} ms "
-                                           f"of collectives per step); {lim[1]:.2f} with a memory per device"
-                                           if lim else ""))
+                lambda x: x >= 0.8, limit=text)
         for b in batches:
             add(model, f"zs-fp32 B={b} prefill (TTFT) ÷ hf-fp32's <= 1.10",
                 ratio(model, b, "zs-fp32", "hf-fp32", "prefill_s"), lambda x: x <= 1.10)
