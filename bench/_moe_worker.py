@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -212,6 +213,54 @@ def dropped_routes(net: MoEGPT, tokens: int, k: int, capacity_factor: float, dro
     return routes, dropped
 
 
+def kept_rows(net: MoEGPT, tokens: int, k: int, capacity_factor: float, drop_tokens: bool) -> list[float]:
+    """Per MoE block of the last forward, the rows this rank sends each global expert (routes kept after the
+    capacity cut, as `dropped_routes` counts them; dropless: every route): blocks x E floats, flattened."""
+    out = []
+    for b in net.moe_blocks():
+        counts = b.exp_counts.detach().long().reshape(-1)
+        if drop_tokens:
+            cap = int(torch.ceil(torch.tensor(tokens / counts.numel()) * torch.tensor(capacity_factor * k)))
+            counts = counts.clamp(max=max(cap, MIN_CAPACITY))
+        out.extend(float(c) for c in counts)
+    return out
+
+
+def expert_rows(kept: list[list[list[float]]], experts: int, world: int) -> tuple[list[float], list[float]]:
+    """(max over ranks, mean over ranks) of the rows a rank's experts compute per step, summed over the MoE
+    blocks: kept[rank][step] = `kept_rows` of that rank and step; expert e lives on rank e // (E / world). The
+    max is what an expert-parallel step waits for (the more loaded rank), the mean what it would take balanced."""
+    per = experts // world
+    most, mean = [], []
+    for i in range(len(kept[0])):
+        blocks = len(kept[0][i]) // experts
+        hi = avg = 0.0
+        for b in range(blocks):
+            load = [sum(kept[src][i][b * experts + e] for src in range(world) for e in range(r * per, (r + 1) * per))
+                    for r in range(world)]
+            hi, avg = hi + max(load), avg + sum(load) / world
+        most.append(hi)
+        mean.append(avg)
+    return most, mean
+
+
+def expert_row_seconds(model: str, precision: str, rows: int = 1024, trials: int = 7) -> float:
+    """Seconds per row of one expert alone (`MLP(d, 4d)`, forward + backward of `rows` rows, at the run's
+    precision and this rank's threads; median of `trials` after 2 untimed): what every further row a rank's
+    experts compute costs at least. Rank 0 runs it while the other ranks wait at a barrier."""
+    cfg = GPT_SIZES[model]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    mlp = MLP(cfg.d_model, 4 * cfg.d_model, cfg.bias).to(dtype)
+    x = torch.randn(rows, cfg.d_model, dtype=dtype, requires_grad=True)
+    times = []
+    for i in range(trials + 2):
+        t = time.perf_counter()
+        mlp(x).float().sum().backward()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) / rows
+
+
 # -- one run --------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser()
@@ -253,6 +302,7 @@ def run(args, rank: int, world: int) -> dict:
     torch.manual_seed(args.seed + 1)  # the routing noise starts from the same state in every system
     tokens = args.micro_batch * cfg.seq_len
     step_s, cpu_s, losses, a2a_s, a2a_calls, routes, dropped = [], [], [], [], [], 0, 0
+    kept: list[list[float]] = []  # per step: rows this rank sends each expert (`kept_rows`)
     first_step_at = None
     for i in range(total):
         x, y = mine[i, :, :-1], mine[i, :, 1:]
@@ -269,11 +319,20 @@ def run(args, rank: int, world: int) -> dict:
         if args.system != "dense":
             r, d = dropped_routes(net, tokens, args.k, args.capacity_factor, drop)
             routes, dropped = routes + r, dropped + d
+            kept.append(kept_rows(net, tokens, args.k, args.capacity_factor, drop))
         if i == 0:
             first_step_at = time.time()
     times, cpus, a2as, loss_ranks = (all_gather_floats(v) for v in (step_s, cpu_s, a2a_s, losses))
     launch0 = args.launch_time if args.launch_time is not None else _T_PROCESS
     per_rank = all_gather_floats([peak_rss_bytes(), rss_start, routes, dropped, n_params, first_step_at - launch0])
+    rows_max = rows_mean = None
+    if kept:  # the experts' rows per step on the more loaded rank, and balanced (since session 35)
+        width = len(kept[0])
+        flat = all_gather_floats([v for step in kept for v in step])
+        rows_max, rows_mean = expert_rows([[r[i * width:(i + 1) * width] for i in range(total)] for r in flat],
+                                          args.experts, world)
+    row_s = expert_row_seconds(args.model, args.precision) if kept and rank == 0 else None
+    dist.barrier()
     return {
         "status": "ok",
         "n_params_per_rank": [r[4] for r in per_rank],
@@ -287,6 +346,7 @@ def run(args, rank: int, world: int) -> dict:
         "routes": sum(r[2] for r in per_rank),
         "dropped_routes": sum(r[3] for r in per_rank),
         "launch_to_first_step_s": max(r[5] for r in per_rank),
+        "expert_rows_max": rows_max, "expert_rows_mean": rows_mean, "expert_row_s": row_s,
     }
 
 

@@ -190,6 +190,12 @@ def aggregate(runs: list[dict]) -> list[dict]:
                 first_loss=ok[0]["losses"][0], first_losses=[r["losses"][0] for r in ok],
                 n_params_per_rank=ok[0]["n_params_per_rank"], launch_to_first_step_s=statistics.median(
                     r["launch_to_first_step_s"] for r in ok))
+            loads = [r for r in ok if r.get("expert_rows_max")]
+            if loads:  # the busier rank's expert rows per step, and one expert's time per row (since session 35)
+                row["expert_rows_max"] = statistics.median(statistics.median(r["expert_rows_max"][w:]) for r in loads)
+                row["expert_rows_mean"] = statistics.median(statistics.median(r["expert_rows_mean"][w:]) for r in loads)
+                secs = [r["expert_row_s"] for r in loads if r.get("expert_row_s")]
+                row["expert_row_s"] = statistics.median(secs) if secs else None
             if len(ok) < len(rs):
                 row["note"] = f"{len(rs) - len(ok)} of {len(rs)} repeats failed"
         rows.append(row)
@@ -238,6 +244,19 @@ def markdown_table(rows: list[dict], cf: float) -> str:
     return "\n".join(lines)
 
 
+def dropless_limit(cf_row: dict, dropless_row: dict) -> tuple[float, float, float] | None:
+    """(the largest dropless ÷ cf tokens/s this routing allows, the extra rows, seconds per row): dropless computes
+    every route, so the busier rank's experts take the rows the capacity cut dropped on top of the cf step -
+    `expert_rows_max` dropless less cf, each at one expert's own forward + backward time per row, measured alone
+    (`expert_row_s`): cf step / (cf step + extra rows x row time). The experts stay on their ranks, so no dropless
+    implementation does less on the busier rank."""
+    extra = (dropless_row.get("expert_rows_max") or 0) - (cf_row.get("expert_rows_max") or 0)
+    row_s = dropless_row.get("expert_row_s") or cf_row.get("expert_row_s")
+    if not cf_row.get("expert_rows_max") or not dropless_row.get("expert_rows_max") or not row_s:
+        return None
+    return cf_row["step_s"] / (cf_row["step_s"] + extra * row_s), extra, row_s
+
+
 def targets_table(rows: list[dict], cf: float) -> str:
     """The issue's three targets per (precision, E, k), from zerospeed's rows."""
     by = {(r["precision"], r["system"], r["experts"], r["k"], r["drop_tokens"]): r for r in rows if r["status"] == "ok"}
@@ -252,8 +271,11 @@ def targets_table(rows: list[dict], cf: float) -> str:
         if s != "zerospeed" or not d:
             continue
         dropless = by.get((p, s, e, k, False))
+        lim = dropless_limit(r, dropless) if dropless else None
+        why = (f" (limit {lim[0]:.3f}: {lim[1]:+,.0f} expert rows per step on the busier rank at "
+               f"{lim[2] * 1e6:.0f} us each)" if lim else "")
         lines.append(f"| {p} | {e} | {k} | {cell(r['vs_ds'], lambda x: x >= 1.10)} | "
-                     f"{cell(dropless and dropless['dropless_vs_cf'], lambda x: x >= 0.90)} | "
+                     f"{cell(dropless and dropless['dropless_vs_cf'], lambda x: x >= 0.90)}{why} | "
                      f"{cell(r['vs_dense'], lambda x: x <= 1.30)} |")
     return "\n".join(lines)
 
