@@ -4,7 +4,8 @@ import gc
 
 import torch
 
-from zerospeed.offload.hostmem import RecycledBuffers, advise_huge_pages, collapse_huge_pages, host_empty
+from zerospeed.offload.hostmem import (RecycledBuffers, advise_huge_pages, collapse_huge_pages, collapse_huge_range,
+                                       host_empty)
 from zerospeed.testing.rss import huge_page_bytes
 
 MB = 1 << 20
@@ -105,6 +106,24 @@ def test_collapse_moves_a_written_tensor_onto_huge_pages_in_place():
         assert huge_page_bytes(t) - before >= 12 * MB, (before, huge_page_bytes(t))
     assert collapse_huge_pages(torch.empty(16)) is False  # under 2 MiB
     assert collapse_huge_pages(torch.empty(4 * MB, device="meta")) is False
+    del t
+
+
+def test_collapse_of_an_address_range_another_library_mapped():
+    """`collapse_huge_range` on the addresses of a written 8 MiB mapping (as an AOTInductor package's constants):
+    its 2 MiB-aligned interior (>= 4 MiB) onto huge pages, the data unchanged; under one huge page refused."""
+    import mmap
+
+    region = mmap.mmap(-1, 8 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(region, dtype=torch.float32)
+    t.copy_(torch.arange(2 * MB, dtype=torch.float32))
+    want, before = t.clone(), huge_page_bytes(t)
+    supported = _collapse_supported()
+    assert collapse_huge_range(t.data_ptr(), t.data_ptr() + 8 * MB) is supported
+    assert torch.equal(t, want)
+    if supported:
+        assert huge_page_bytes(t) - before >= 4 * MB, (before, huge_page_bytes(t))
+    assert collapse_huge_range(t.data_ptr(), t.data_ptr() + MB) is False
     del t
 
 

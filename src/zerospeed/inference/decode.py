@@ -125,6 +125,7 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
     inputs, step, hf_steps = None, 0, False  # this step's model inputs; decode steps run; HF's bookkeeping on
     prefix = getattr(model.config, "_attn_implementation", None) == prefix_attention.NAME  # attend the filled part
     again = getattr(forward, "again", None)  # kernel injection's compiled step: guards skipped when unchanged
+    aot = forward.aot_step if getattr(forward, "aot", False) else None  # ... or as an AOTInductor package
     with model._optimize_model_for_decode():
         while True:
             if step < 2 or hf_steps:  # HF's own bookkeeping (until the second step's check)
@@ -154,8 +155,11 @@ def decode_loop(model, input_ids: torch.LongTensor, logits_processor, stopping_c
                         decode_loop_calls["fast"] -= 1
                         decode_loop_calls["checked_out"] += 1
             call = again if again is not None and step >= 2 and not hf_steps else forward
-            outputs = call(**(_filled(inputs, input_ids.shape[1] - 1) if prefix and not hf_steps else inputs),
-                           return_dict=True)
+            step_inputs = _filled(inputs, input_ids.shape[1] - 1) if prefix and not hf_steps else inputs
+            outputs = (aot(step_inputs, input_ids.shape[1] - 1, full=step < 2)
+                       if aot is not None and prefix and not hf_steps else None)
+            if outputs is None:
+                outputs = call(**step_inputs, return_dict=True)
             step += 1
 
 

@@ -51,8 +51,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import types
+import warnings
 
 import torch
 import torch._inductor.config as inductor_config
@@ -90,7 +92,7 @@ class FrozenCompiledCall:
     move onto huge pages (see the module docstring)."""
 
     def __init__(self, fn, freeze: bool = True, math_attention: bool = False, cpp_wrapper: bool = True,
-                 huge_pages: bool = False):
+                 huge_pages: bool = False, aot_module: nn.Module | None = None):
         options = {**DECODE_COMPILE_OPTIONS, "cpp_wrapper": cpp_wrapper}
         self.compiled = torch.compile(fn, fullgraph=True, options=options)
         self._with_breaks = functools.partial(torch.compile, fn, options=options)
@@ -101,6 +103,10 @@ class FrozenCompiledCall:
         self._caches_on_huge_pages: set[int] = set()
         self._guarded: tuple | None = None  # the signature of the last call dynamo's guards passed
         self.unguarded_calls = 0  # how many calls `again` ran without the guards (tests read it)
+        self.module, self.aot = aot_module, aot_module is not None  # `aot_step`: the step as an AOTInductor package
+        self._aot_steps: dict[tuple, object] = {}  # (input ids shape, mask dtype, cache shape, dtype) -> package
+        self.aot_calls = 0  # steps the package served (tests read it)
+        self._aot_failed: set[tuple] = set()
 
     def __call__(self, *args, **kwargs):
         self._guarded = _signature(args, kwargs)
@@ -124,6 +130,47 @@ class FrozenCompiledCall:
             return self(*args, **kwargs)
         self.unguarded_calls += 1
         return self._call(_skip_guards(), args, kwargs)
+
+    def aot_step(self, inputs: dict, column: int, full: bool = False):
+        """The step as an AOTInductor package (`aot_step.AOTDecodeStep`, built on first use per batch, cache
+        length and dtype) for the decode loop's `inputs` (the 4-D mask cut to the filled positions) writing cache
+        column `column`: an object with `.logits`, or None where the package does not apply (`aot` off, no static
+        cache in the inputs, its build failed once: then the compiled step serves, as before)."""
+        if not self.aot or self.module is None:
+            return None
+        key_name = "cache" if "cache" in inputs else "past_key_values"
+        cache = inputs.get(key_name)
+        mask = inputs.get("attention_mask")
+        layers = getattr(cache, "layers", None)
+        if not layers or not isinstance(mask, torch.Tensor) or mask.ndim != 4 or inputs.get("position_ids") is None:
+            return None
+        key = (tuple(inputs["input_ids"].shape), mask.dtype, tuple(layers[0].keys.shape), layers[0].keys.dtype)
+        step = self._aot_steps.get(key)
+        if step is None:
+            if key in self._aot_failed:
+                return None
+            try:
+                from .aot_step import AOTDecodeStep
+
+                step = AOTDecodeStep.build(self.module, cache, key_name, inputs, column, DECODE_COMPILE_OPTIONS)
+            except Exception as e:  # noqa: BLE001 - the compiled step serves instead
+                return self._aot_off(key, "did not build", e)
+            self._aot_steps[key] = step
+        try:  # the package checks its inputs' shapes before any kernel runs: a refusal leaves the cache as it was
+            out = step(inputs, column, cache, key_name, full)
+        except Exception as e:  # noqa: BLE001
+            return self._aot_off(key, "refused a step", e)
+        self.aot_calls += 1
+        return out
+
+    def _aot_off(self, key: tuple, what: str, error: Exception) -> None:
+        """The package of `key` given up (once, with a warning): the compiled step serves those calls."""
+        self._aot_failed.add(key)
+        self._aot_steps.pop(key, None)
+        first = (str(error).splitlines() or [""])[0][:200]
+        warnings.warn(f"kernel injection: the AOTInductor decode step {what} ({type(error).__name__}: {first}); "
+                      "the torch.compile step serves instead")
+        return None
 
     def _call(self, stance, args, kwargs):
         attention = sdpa_kernel(SDPBackend.MATH) if self.math_attention else contextlib.nullcontext()
@@ -202,6 +249,14 @@ def constants_onto_huge_pages(since: int) -> None:
                 collapse_huge_pages(value)
 
 
+def aot_wanted() -> bool:
+    """Whether kernel injection on CPU serves the decode step as an AOTInductor package (`aot_step`): the
+    environment variable `ZEROSPEED_AOT_DECODE=1`, read when the engine is built. Experimental, off by default:
+    measured 0.94-0.96x the time per token of the `torch.compile` step at 124M parameters, batch 1
+    (bench/README.md, session 35), not yet the default path."""
+    return os.environ.get("ZEROSPEED_AOT_DECODE", "0") == "1"
+
+
 def _check_compiler(device: torch.device) -> None:
     if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ValueError("replace_with_kernel_inject=true compiles the decode step with torch.compile (inductor), "
@@ -237,7 +292,8 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
     gen.compile_config = cc
     on_cpu = device.type == "cpu"
     call = FrozenCompiledCall(module.__call__, freeze, math_attention=on_cpu, cpp_wrapper=not collectives,
-                              huge_pages=on_cpu)
+                              huge_pages=on_cpu,
+                              aot_module=module if on_cpu and freeze and not collectives and aot_wanted() else None)
     if on_cpu and not freeze:  # the step reads the module's own weights
         for t in [*module.parameters(), *module.buffers()]:
             collapse_huge_pages(t)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["return_freed_memory_to_os", "advise_huge_pages", "collapse_huge_pages", "RecycledBuffers", "recycled",
-           "host_empty", "GatheredPool"]
+__all__ = ["return_freed_memory_to_os", "advise_huge_pages", "collapse_huge_pages", "collapse_huge_range",
+           "RecycledBuffers", "recycled", "host_empty", "GatheredPool"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -39,17 +39,27 @@ def _libc():
 _madvise = None
 
 
-def _huge_range(tensor) -> tuple[int, int]:
-    """The 2 MiB-aligned [start, end) inside `tensor`'s storage (empty when under 2 MiB); sets up madvise."""
+def _libc_madvise():
+    """libc's madvise (set up once), or False where there is none."""
     global _madvise
     if _madvise is None:
         libc = _libc()
         _madvise = getattr(libc, "madvise", False) if libc is not None else False
         if _madvise:
             _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    storage = tensor.untyped_storage()
-    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    return _madvise
+
+
+def _aligned(start: int, end: int) -> tuple[int, int]:
+    """The 2 MiB-aligned [start, end) inside [start, end) (empty when it holds no whole huge page)."""
     return -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+
+
+def _huge_range(tensor) -> tuple[int, int]:
+    """The 2 MiB-aligned [start, end) inside `tensor`'s storage (empty when under 2 MiB); sets up madvise."""
+    _libc_madvise()
+    storage = tensor.untyped_storage()
+    return _aligned(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
 
 
 def advise_huge_pages(tensor) -> bool:
@@ -79,9 +89,18 @@ def collapse_huge_pages(tensor) -> bool:
         lo, hi = _huge_range(tensor)
     except (RuntimeError, NotImplementedError):  # a tensor without storage data (fake, functional)
         return False
-    if not _madvise or hi <= lo:
+    return collapse_huge_range(lo, hi)
+
+
+def collapse_huge_range(start: int, end: int) -> bool:
+    """`collapse_huge_pages` for the 2 MiB-aligned part of an address range [start, end) of host memory this
+    process mapped read-write (e.g. a block a library allocated: an AOTInductor package's constants). Returns
+    False where it does not apply (no glibc, under 2 MiB, a kernel before 6.1, THP disabled)."""
+    lo, hi = _aligned(start, end)
+    madvise = _libc_madvise()
+    if not madvise or hi <= lo:
         return False
-    return _madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+    return madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
 
 
 def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
