@@ -26,6 +26,7 @@ length, dtype), as the compiled step now.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -86,15 +87,16 @@ class AOTDecodeStep:
     """A decode step compiled ahead of time for one (batch, cache length, dtype): call with the decode loop's
     inputs and the write column; `bind` it to each cache object before its first step."""
 
-    def __init__(self, runner, n_layers: int):
-        self.runner, self.n_layers, self._bound = runner, n_layers, None
+    def __init__(self, runner):
+        self.runner, self._bound = runner, None
 
     @classmethod
     def build(cls, module: nn.Module, cache, cache_key: str, inputs: dict, column: int, options: dict,
               directory: str | None = None) -> "AOTDecodeStep":
         """Export and compile the step of `module` over `cache` from one step's `inputs` (input_ids, position_ids,
         attention_mask 4-D, and keys passed through unchanged, e.g. logits_to_keep) with inductor `options`
-        (freezing on, the C++ wrapper being AOTInductor's own). Raises what export or compilation raise."""
+        (freezing on, the C++ wrapper being AOTInductor's own); the package file is written to `directory`, or to
+        a temporary one deleted once it is loaded. Raises what export or compilation raise."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         extra = {k: v for k, v in inputs.items()
@@ -104,21 +106,23 @@ class AOTDecodeStep:
         mask = inputs["attention_mask"]
         length = torch.export.Dim("filled", min=2, max=cache.layers[0].keys.shape[2] - 1)
         args = (inputs["input_ids"], inputs["position_ids"], mask, torch.tensor(column))
-        attention = sdpa_kernel(SDPBackend.MATH) if mask.device.type == "cpu" else torch.no_grad()
+        attention = sdpa_kernel(SDPBackend.MATH) if mask.device.type == "cpu" else contextlib.nullcontext()
         with torch.no_grad(), attention:
             exported = torch.export.export(step, args, dynamic_shapes=({}, {}, {3: length}, {}), strict=True)
         opts = {k: v for k, v in options.items() if k != "cpp_wrapper"}
         opts["freezing"] = True
-        directory = directory or tempfile.mkdtemp(prefix="zerospeed_aot_")
-        path = torch._inductor.aoti_compile_and_package(
-            exported, package_path=os.path.join(directory, "decode_step.pt2"), inductor_configs=opts)
-        before = _anonymous_regions()
-        runner = torch._inductor.aoti_load_package(path)
+        # the package file (about the weights' size twice) only until it is loaded, unless a directory is given
+        keep = contextlib.nullcontext(directory) if directory else tempfile.TemporaryDirectory(prefix="zerospeed_aot_")
+        with keep as where:
+            path = torch._inductor.aoti_compile_and_package(
+                exported, package_path=os.path.join(where, "decode_step.pt2"), inductor_configs=opts)
+            before = _anonymous_regions()
+            runner = torch._inductor.aoti_load_package(path)
         if mask.device.type == "cpu":  # the package's constants (the packed weights): onto huge pages, in place
             for lo, hi in _anonymous_regions().items():
                 if lo not in before:
                     collapse_huge_range(lo, hi)
-        return cls(runner, len(cache.layers))
+        return cls(runner)
 
     def bind(self, cache) -> None:
         """Point the package's cache constants at `cache`'s tensors (no copy); once per cache object."""
