@@ -195,20 +195,23 @@ class Runner(_EngineRunner):
         return (s.seconds, s.calls) if s is not None else (0.0, 0)
 
 
+def capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
+    """An expert's capacity per rank, as DeepSpeed computes it (float32 product): max(ceil(S / E x k x cf),
+    min_capacity)."""
+    cap = int(torch.ceil(torch.tensor(tokens / experts) * torch.tensor(capacity_factor * k)))
+    return max(cap, MIN_CAPACITY)
+
+
 def dropped_routes(net: MoEGPT, tokens: int, k: int, capacity_factor: float, drop_tokens: bool) -> tuple[int, int]:
     """(routes, dropped routes) of the last forward on this rank, over its MoE blocks. exp_counts are the routes
     each expert was asked for before the capacity cut (both systems); an expert keeps min(count, C), C =
-    max(ceil(S / E x k x capacity_factor), min_capacity) as DeepSpeed computes it (float32 product); dropless:
-    nothing dropped."""
+    `capacity`; dropless: nothing dropped."""
     routes = dropped = 0
     for b in net.moe_blocks():
         counts = b.exp_counts.detach().long().reshape(-1)
         routes += int(counts.sum())
         if drop_tokens:
-            e = counts.numel()
-            cap = int(torch.ceil(torch.tensor(tokens / e) * torch.tensor(capacity_factor * k)))
-            cap = max(cap, MIN_CAPACITY)
-            dropped += int((counts - cap).clamp(min=0).sum())
+            dropped += int((counts - capacity(tokens, counts.numel(), k, capacity_factor)).clamp(min=0).sum())
     assert routes in (0, k * tokens * len(net.moe_blocks())), (routes, k, tokens)
     return routes, dropped
 
@@ -220,8 +223,7 @@ def kept_rows(net: MoEGPT, tokens: int, k: int, capacity_factor: float, drop_tok
     for b in net.moe_blocks():
         counts = b.exp_counts.detach().long().reshape(-1)
         if drop_tokens:
-            cap = int(torch.ceil(torch.tensor(tokens / counts.numel()) * torch.tensor(capacity_factor * k)))
-            counts = counts.clamp(max=max(cap, MIN_CAPACITY))
+            counts = counts.clamp(max=capacity(tokens, counts.numel(), k, capacity_factor))
         out.extend(float(c) for c in counts)
     return out
 
