@@ -56,7 +56,7 @@ SYSTEMS = {
     "zs-int8": ("zs", "int8", True, 1),
     "zs-fp32-noinject": ("zs", "fp32", False, 1),
     "zs-fp32-nofreeze": ("zs", "fp32", "nofreeze", 1),
-    "zs-fp32-aot": ("zs", "fp32", "aot", 1),  # kernel injection with ZEROSPEED_AOT_DECODE=1 (since session 35)
+    "zs-fp32-compile": ("zs", "fp32", "compile", 1),  # injection, ZEROSPEED_AOT_DECODE=0 (since session 36)
     "zs-tp2-fp32": ("zs", "fp32", True, 2),
     "zs-tp2-bf16": ("zs", "bf16", True, 2),
     "deepspeed-fp32": ("deepspeed", "fp32", False, 1),
@@ -101,8 +101,8 @@ def wrap(system: str, net):
 
         kw = {"dtype": DTYPES[dtype], "replace_with_kernel_inject": bool(inject),
               "set_empty_params": inject == "nofreeze"}
-        if inject == "aot":  # the decode step as an AOTInductor package (read when the engine is built)
-            os.environ["ZEROSPEED_AOT_DECODE"] = "1"
+        if inject == "compile":  # the torch.compile decode step, not the AOTInductor package (read at build)
+            os.environ["ZEROSPEED_AOT_DECODE"] = "0"
         if tp > 1:
             kw["tensor_parallel"] = {"tp_size": tp}
         engine = zerospeed.init_inference(net, **kw)

@@ -14,7 +14,8 @@ download. Systems, each (model, batch, system) its own process (`bench/_inferenc
     zs-fp32 / -bf16 / -int8  `zerospeed.init_inference(model, dtype=..., replace_with_kernel_inject=True)`
     zs-fp32-noinject         the same without kernel injection (what the injection buys)
     zs-fp32-nofreeze         injection with set_empty_params=True: the decode step compiled without freezing
-    zs-fp32-aot              injection with ZEROSPEED_AOT_DECODE=1: the decode step as an AOTInductor package
+    zs-fp32-compile          injection with ZEROSPEED_AOT_DECODE=0: the torch.compile decode step (zs-fp32 and
+                             zs-int8 serve it as an AOTInductor package since session 36; zs-fp32-aot before)
     zs-tp2-fp32 / -bf16      world 2 (torchrun), tensor_parallel={"tp_size": 2} + injection; rank 0's times
     deepspeed-fp32           `deepspeed.init_inference(model, dtype=torch.float32, replace_with_kernel_inject=False)`
 
@@ -52,7 +53,7 @@ MB = 1e6
 MODEL_NAMES = ("124m", "350m")
 # table order; the worker holds what each one is (_inference_worker.SYSTEMS)
 SYSTEM_NAMES = ("hf-fp32", "hf-bf16", "zs-fp32", "zs-bf16", "zs-int8", "zs-fp32-noinject", "zs-fp32-nofreeze",
-                "zs-fp32-aot", "zs-tp2-fp32", "zs-tp2-bf16", "deepspeed-fp32")
+                "zs-fp32-compile", "zs-tp2-fp32", "zs-tp2-bf16", "deepspeed-fp32")
 WORLD = {"zs-tp2-fp32": 2, "zs-tp2-bf16": 2}
 DTYPE = {s: s.split("-")[2] if s.startswith("zs-tp2") else s.split("-")[1] for s in SYSTEM_NAMES}
 SLOW = ("hf-bf16",)  # the systems --slow-new-tokens applies to

@@ -5,8 +5,8 @@ import gc
 import torch
 
 from zerospeed.offload.hostmem import (RecycledBuffers, advise_huge_pages, collapse_huge_pages, collapse_huge_range,
-                                       host_empty)
-from zerospeed.testing.rss import huge_page_bytes
+                                       drop_file_pages, host_empty, trim_heap)
+from zerospeed.testing.rss import huge_page_bytes, smaps_field
 
 MB = 1 << 20
 
@@ -124,6 +124,29 @@ def test_collapse_of_an_address_range_another_library_mapped():
     if supported:
         assert huge_page_bytes(t) - before >= 4 * MB, (before, huge_page_bytes(t))
     assert collapse_huge_range(t.data_ptr(), t.data_ptr() + MB) is False
+    del t
+
+
+def test_dropping_the_pages_of_a_file_mapping_only_lowers_the_rss(tmp_path):
+    """`drop_file_pages` on an 8 MiB private file mapping read once (as an AOTInductor library's embedded
+    constants): its resident bytes fall from >= 8 MiB to under 1 MiB, and reading it again gives the file's
+    bytes. `trim_heap` runs (glibc here)."""
+    import mmap
+
+    path = tmp_path / "blob"
+    want = torch.arange(2 * MB, dtype=torch.float32)
+    path.write_bytes(want.numpy().tobytes())
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 8 * MB, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    t = torch.frombuffer(region, dtype=torch.float32)
+    assert torch.equal(t, want)
+    start = next(lo for lo in smaps_field("Rss") if lo <= t.data_ptr() < lo + 8 * MB)
+    assert smaps_field("Rss")[start] >= 8 * MB
+    assert drop_file_pages(t.data_ptr(), t.data_ptr() + 8 * MB) is True
+    assert smaps_field("Rss")[start] < MB, smaps_field("Rss")[start]
+    assert torch.equal(t, want)  # read from the file again
+    assert drop_file_pages(t.data_ptr(), t.data_ptr()) is False  # nothing to drop
+    assert trim_heap() is True
     del t
 
 

@@ -193,10 +193,13 @@ def test_set_empty_params_compiles_over_the_models_own_weights():
         assert torch.equal(engine.module.generate(ids, **kw), want)
 
 
-def test_kernel_injection_puts_the_decode_steps_weights_on_huge_pages():
+def test_kernel_injection_puts_the_decode_steps_weights_on_huge_pages(monkeypatch):
     """On CPU the compiled decode step's constants (the frozen, packed weights; here the 4 MiB lm_head) are moved
-    onto huge pages once compiled: each one's 2 MiB-aligned interior is, and the tokens stay the plain model's."""
+    onto huge pages once compiled: each one's 2 MiB-aligned interior is, and the tokens stay the plain model's.
+    (The `torch.compile` step; the AOTInductor package's: test_inference_aot.py.)"""
     import transformers
+
+    monkeypatch.setenv("ZEROSPEED_AOT_DECODE", "0")
 
     from zerospeed.inference.inject import _code_modules
     from zerospeed.testing.rss import huge_page_bytes

@@ -16,15 +16,24 @@ from zerospeed.testing.models import tiny_hf_gpt2, tiny_hf_llama
 pytest.importorskip("transformers")
 
 
-def _injected(build):
-    """(the plain model, the injected model's module), same weights."""
-    engine = zerospeed.init_inference(build().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
+def _injected(build, aot: bool = True):
+    """(the plain model, the injected model's module), same weights; aot=False: the `torch.compile` decode step
+    (`ZEROSPEED_AOT_DECODE=0`) instead of the AOTInductor package."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZEROSPEED_AOT_DECODE", "1" if aot else "0")
+        engine = zerospeed.init_inference(build().eval(), dtype=torch.float32, replace_with_kernel_inject=True)
     return build().eval(), engine.module
 
 
 @pytest.fixture(scope="module")
 def models():
     return _injected(tiny_hf_gpt2)
+
+
+@pytest.fixture(scope="module")
+def compiled_models():
+    """`models` with the `torch.compile` decode step: what the tests of its guards and graphs read."""
+    return _injected(tiny_hf_gpt2, aot=False)
 
 
 def _prompt(seed=3):
@@ -133,10 +142,11 @@ def test_inputs_that_advance_otherwise_are_caught_at_the_second_step(models):
     assert decode_loop_calls["fast"] == before["fast"] and torch.equal(got, want)
 
 
-def test_decode_steps_after_the_second_skip_dynamos_guards_and_keep_hfs_tokens(models):
+def test_decode_steps_after_the_second_skip_dynamos_guards_and_keep_hfs_tokens(compiled_models):
     """Within one call the compiled step runs without dynamo's guards from its third step (`again`: 12 new tokens
     = a prefill and 11 steps, 9 of them unguarded); a call at another batch size is guarded again at its first
     step (its own graph, HF's tokens)."""
+    models = compiled_models
     ref, module = models
     call = module.get_compiled_call()
     ids, mask = _prompt(seed=5)
@@ -183,7 +193,7 @@ def test_the_decode_step_attends_the_filled_part_of_the_cache_with_one_graph():
 
     from zerospeed.inference import prefix_attention
 
-    pair = _injected(tiny_hf_gpt2)
+    pair = _injected(tiny_hf_gpt2, aot=False)
     ref, module = pair
     assert module.config._attn_implementation == prefix_attention.NAME
     call = module.get_compiled_call()

@@ -61,7 +61,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..offload.hostmem import collapse_huge_pages
+from ..offload.hostmem import collapse_huge_pages, trim_heap
 from . import prefix_attention
 from .decode import with_decode_loop
 
@@ -156,6 +156,8 @@ class FrozenCompiledCall:
             except Exception as e:  # noqa: BLE001 - the compiled step serves instead
                 return self._aot_off(key, "did not build", e)
             self._aot_steps[key] = step
+        if self.huge_pages:
+            self._cache_onto_huge_pages(cache)
         try:  # the package checks its inputs' shapes before any kernel runs: a refusal leaves the cache as it was
             out = step(inputs, column, cache, key_name, full)
         except Exception as e:  # noqa: BLE001
@@ -186,6 +188,8 @@ class FrozenCompiledCall:
         if self.huge_pages:
             constants_onto_huge_pages(loaded)
             self._cache_onto_huge_pages(kwargs.get("cache", kwargs.get("past_key_values")))
+        if len(_code_modules()) > loaded:  # compiled: the heap the compilation left free back to the OS (124M
+            trim_heap()  # GPT-2: RSS after the first generate 1.80 -> 1.49 GB; bench/README.md, session 36)
         return out
 
     def _cache_onto_huge_pages(self, cache) -> None:
@@ -249,12 +253,20 @@ def constants_onto_huge_pages(since: int) -> None:
                 collapse_huge_pages(value)
 
 
-def aot_wanted() -> bool:
-    """Whether kernel injection on CPU serves the decode step as an AOTInductor package (`aot_step`): the
-    environment variable `ZEROSPEED_AOT_DECODE=1`, read when the engine is built. Experimental, off by default:
-    measured 0.94-0.96x the time per token of the `torch.compile` step at 124M parameters, batch 1
-    (bench/README.md, session 35), not yet the default path."""
-    return os.environ.get("ZEROSPEED_AOT_DECODE", "0") == "1"
+def aot_wanted(module: nn.Module) -> bool:
+    """Whether kernel injection on CPU serves the decode step of `module` as an AOTInductor package (`aot_step`)
+    instead of the `torch.compile` step: the environment variable `ZEROSPEED_AOT_DECODE` when the engine is built,
+    "1" always, "0" never, unset where it was measured faster: fp32 and int8 weights, not bf16/fp16 (a floating
+    parameter in half precision). Measured at 124M parameters, batch 1, in one process, interleaved pairs: fp32
+    0.94x the time per token of the `torch.compile` step (16 of 16 pairs faster), int8 0.86x (8 of 8), bf16 1.05x
+    (2 of 8 faster) (bench/README.md, sessions 35-36). Raises ValueError for another value."""
+    value = os.environ.get("ZEROSPEED_AOT_DECODE")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"ZEROSPEED_AOT_DECODE={value!r}: use 1 (the decode step as an AOTInductor package), 0 (the "
+                         "torch.compile step), or leave it unset (the package for fp32 and int8 weights)")
+    if value is not None:
+        return value == "1"
+    return not any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
 
 
 def _check_compiler(device: torch.device) -> None:
@@ -291,9 +303,10 @@ def inject_kernels(module: nn.Module, device: torch.device, freeze: bool = True,
     cc._compile_all_devices = True  # HF compiles the decode step on CUDA/XPU only unless told otherwise
     gen.compile_config = cc
     on_cpu = device.type == "cpu"
+    aot = aot_wanted(module)  # read (and checked) on every device; used on CPU
     call = FrozenCompiledCall(module.__call__, freeze, math_attention=on_cpu, cpp_wrapper=not collectives,
                               huge_pages=on_cpu,
-                              aot_module=module if on_cpu and freeze and not collectives and aot_wanted() else None)
+                              aot_module=module if on_cpu and freeze and not collectives and aot else None)
     if on_cpu and not freeze:  # the step reads the module's own weights
         for t in [*module.parameters(), *module.buffers()]:
             collapse_huge_pages(t)

@@ -20,10 +20,12 @@ import ctypes
 import ctypes.util
 
 __all__ = ["return_freed_memory_to_os", "advise_huge_pages", "collapse_huge_pages", "collapse_huge_range",
+           "drop_file_pages", "trim_heap",
            "RecycledBuffers", "recycled", "host_empty", "GatheredPool"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD_BYTES = 1 << 20
+_MADV_DONTNEED = 4  # Linux
 _MADV_HUGEPAGE = 14  # Linux
 _MADV_COLLAPSE = 25  # Linux >= 6.1
 HUGE_PAGE_BYTES = 2 << 20
@@ -101,6 +103,29 @@ def collapse_huge_range(start: int, end: int) -> bool:
     if not madvise or hi <= lo:
         return False
     return madvise(lo, hi - lo, _MADV_COLLAPSE) == 0
+
+
+def drop_file_pages(start: int, end: int) -> bool:
+    """Drop this process's pages of [start, end), a file-backed mapping none of whose pages it has written
+    (smaps "Anonymous: 0 kB"), from its resident set (madvise MADV_DONTNEED): the kernel reads them from the
+    file again if they are ever touched, so nothing changes but the RSS. For the constants embedded in an
+    AOTInductor library, copied out of it once when it is loaded. Returns False where it does not apply."""
+    madvise = _libc_madvise()
+    lo, hi = start // 4096 * 4096, end
+    if not madvise or hi <= lo:
+        return False
+    return madvise(lo, hi - lo, _MADV_DONTNEED) == 0
+
+
+def trim_heap() -> bool:
+    """Give the free pages of glibc's heap back to the OS now (malloc_trim(0)): after a one-off burst of small
+    allocations (an export and compilation: ~0.7 GB left resident for a 124M-parameter model, bench/README.md,
+    session 36). Returns False where this is not glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:

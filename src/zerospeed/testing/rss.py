@@ -49,3 +49,20 @@ def huge_page_bytes(tensor) -> int:
     except OSError:
         return 0
     return total
+
+
+def smaps_field(field: str) -> dict[int, int]:
+    """{start address: bytes} of one /proc/self/smaps field ("Rss", "AnonHugePages", ...) for every mapping of
+    this process; {} where smaps is missing."""
+    out, start = {}, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):
+                    start = int(head.split("-")[0], 16)
+                elif head == field + ":" and start is not None:
+                    out[start] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
