@@ -73,7 +73,16 @@ def test_on_by_default_for_fp32_and_int8_off_with_zero_and_a_clear_error_otherwi
     for dtype, want in ((torch.float32, True), (torch.int8, True), (torch.bfloat16, False)):
         engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=dtype, replace_with_kernel_inject=True)
         assert engine.module.get_compiled_call().aot is want, dtype
+    from zerospeed.inference import inject
+    from zerospeed.inference.quant import weight_bytes
+
+    model = tiny_hf_gpt2().eval()
+    need = inject.AOT_BUILD_BYTES_PER_WEIGHT_BYTE * weight_bytes(model)
+    for available, want in ((need - 1, False), (need, True)):  # the build must fit in the host's memory
+        monkeypatch.setattr(inject, "_available_host_bytes", lambda: available)
+        assert inject.aot_wanted(model) is want
     monkeypatch.setenv("ZEROSPEED_AOT_DECODE", "1")
+    assert inject.aot_wanted(model) is True
     engine = zerospeed.init_inference(tiny_hf_gpt2().eval(), dtype=torch.bfloat16, replace_with_kernel_inject=True)
     assert engine.module.get_compiled_call().aot is True
     monkeypatch.setenv("ZEROSPEED_AOT_DECODE", "0")

@@ -253,20 +253,43 @@ def constants_onto_huge_pages(since: int) -> None:
                 collapse_huge_pages(value)
 
 
+AOT_BUILD_BYTES_PER_WEIGHT_BYTE = 5  # host memory a package's build may take, per byte of weights (measured 4.7)
+
+
 def aot_wanted(module: nn.Module) -> bool:
     """Whether kernel injection on CPU serves the decode step of `module` as an AOTInductor package (`aot_step`)
     instead of the `torch.compile` step: the environment variable `ZEROSPEED_AOT_DECODE` when the engine is built,
-    "1" always, "0" never, unset where it was measured faster: fp32 and int8 weights, not bf16/fp16 (a floating
-    parameter in half precision). Measured at 124M parameters, batch 1, in one process, interleaved pairs: fp32
-    0.94x the time per token of the `torch.compile` step (16 of 16 pairs faster), int8 0.86x (8 of 8), bf16 1.05x
-    (2 of 8 faster) (bench/README.md, sessions 35-36). Raises ValueError for another value."""
+    "1" always, "0" never; unset, where it was measured faster and its build fits in memory: fp32 and int8 weights
+    (not bf16/fp16: a floating parameter in half precision) and the host's available memory (MemAvailable) at
+    least `AOT_BUILD_BYTES_PER_WEIGHT_BYTE` x the weights' bytes. Measured at 124M parameters, batch 1, in one
+    process, interleaved pairs: fp32 0.94x the time per token of the `torch.compile` step (16 of 16 pairs faster),
+    int8 0.86x (8 of 8), bf16 1.05x (2 of 8 faster); building the package (export, compile, load) peaked 2.36 GB
+    above the built engine for 0.50 GB of fp32 weights (4.7x), the compiled step's first call 1.29 GB (2.6x)
+    (bench/README.md, sessions 35-36). Raises ValueError for another value."""
     value = os.environ.get("ZEROSPEED_AOT_DECODE")
     if value not in (None, "0", "1"):
         raise ValueError(f"ZEROSPEED_AOT_DECODE={value!r}: use 1 (the decode step as an AOTInductor package), 0 (the "
                          "torch.compile step), or leave it unset (the package for fp32 and int8 weights)")
     if value is not None:
         return value == "1"
-    return not any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters()):
+        return False
+    from .quant import weight_bytes
+
+    available = _available_host_bytes()
+    return available is None or available >= AOT_BUILD_BYTES_PER_WEIGHT_BYTE * weight_bytes(module)
+
+
+def _available_host_bytes() -> int | None:
+    """The host's available memory in bytes (/proc/meminfo MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _check_compiler(device: torch.device) -> None:
