@@ -38,7 +38,7 @@ import tempfile
 import torch
 from torch import nn
 
-from ..offload.hostmem import collapse_huge_range, drop_file_pages, trim_heap
+from ..offload.hostmem import collapse_huge_range, drop_file_pages, smaps_field, trim_heap
 
 __all__ = ["AOTDecodeStep"]
 
@@ -81,25 +81,6 @@ def _mappings() -> dict[int, tuple[int, str]]:
     return out
 
 
-def _unwritten(starts: set[int]) -> list[tuple[int, int]]:
-    """[start, end) of the mappings among `starts` that hold no page this process wrote (/proc/self/smaps
-    "Anonymous: 0 kB"): their resident pages are the file's own."""
-    try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    out, current = [], None
-    for line in lines:
-        head = line.split(maxsplit=1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            current = (lo, hi) if lo in starts else None
-        elif current is not None and head == "Anonymous:" and int(line.split()[1]) == 0:
-            out.append(current)
-    return out
-
-
 def _settle(before: dict[int, tuple[int, str]]) -> None:
     """After a package is loaded on CPU: its constants (the packed weights, copied out of the library into fresh
     anonymous memory) onto huge pages in place; the library's own copy of them, read once, out of the resident set
@@ -110,8 +91,10 @@ def _settle(before: dict[int, tuple[int, str]]) -> None:
     for lo, (hi, path) in new.items():
         if not path:
             collapse_huge_range(lo, hi)
-    for lo, hi in _unwritten({lo for lo, (_, path) in new.items() if path.startswith("/")}):
-        drop_file_pages(lo, hi)
+    written = smaps_field("Anonymous")  # a file mapping's pages this process wrote (none: all the file's own)
+    for lo, (hi, path) in new.items():
+        if path.startswith("/") and written.get(lo) == 0:
+            drop_file_pages(lo, hi)
     trim_heap()
 
 

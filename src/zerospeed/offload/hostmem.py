@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 
 __all__ = ["return_freed_memory_to_os", "advise_huge_pages", "collapse_huge_pages", "collapse_huge_range",
-           "drop_file_pages", "trim_heap",
+           "drop_file_pages", "trim_heap", "smaps_field",
            "RecycledBuffers", "recycled", "host_empty", "GatheredPool"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -128,6 +128,23 @@ def trim_heap() -> bool:
     return True
 
 
+def smaps_field(field: str) -> dict[int, int]:
+    """{start address: bytes} of one /proc/self/smaps field ("Rss", "Anonymous", "AnonHugePages", ...) for every
+    mapping of this process; {} where smaps is missing."""
+    out, start = {}, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):
+                    start = int(head.split("-")[0], 16)
+                elif head == field + ":" and start is not None:
+                    out[start] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
 def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Process-wide: mmap every allocation of `threshold` bytes or more, and release free heap pages
     now (malloc_trim). Returns False where this is not glibc (nothing changed)."""
@@ -135,7 +152,7 @@ def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
         return False
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
-    libc.malloc_trim(0)
+    trim_heap()
     return ok
 
 
