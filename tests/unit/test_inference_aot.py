@@ -126,6 +126,7 @@ def test_the_packages_constants_sit_on_huge_pages_and_the_librarys_copy_leaves_t
     assert sum(huge.get(lo, 0) for lo in anonymous) >= 64 * 2**20, {hex(lo): huge.get(lo) for lo in anonymous}
 
 
+@pytest.mark.slow  # ~30 s: an int8 engine builds its own package
 def test_int8_weights_through_the_package_pick_the_eager_engines_best_token(monkeypatch):
     """int8 weights (the default: the package serves them): each greedy token, teacher-forced, is the eager int8
     engine's best one within 0.02 of its logits (the package's sums run in another order; an exact tie may flip)."""
