@@ -23,6 +23,10 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
         from .comm import init_distributed
 
         return init_distributed
+    if name == "OnDevice":  # `with zerospeed.OnDevice(dtype, device="meta"):` as `deepspeed.OnDevice`
+        from .utils.init_on_device import OnDevice
+
+        return OnDevice
     if name == "get_accelerator":  # `zerospeed.get_accelerator()` as `deepspeed.get_accelerator()`
         from .accelerator import get_accelerator
 
@@ -35,8 +39,8 @@ def __getattr__(name):  # lazy, so `import zerospeed` stays cheap for the CLI an
 
 
 _SUBPACKAGES = ("accelerator", "zero", "checkpointing", "comm", "config", "offload", "profiling", "monitor", "runtime",
-                "testing", "inference")
+                "testing", "inference", "pipe", "moe", "utils", "ops")
 
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "tp_model_init", "init_inference",
-           "InferenceEngine", "ZeroSpeedEngine", "__version__"]
+           "InferenceEngine", "ZeroSpeedEngine", "OnDevice", "__version__"]

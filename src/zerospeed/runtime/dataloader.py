@@ -1,9 +1,11 @@
-"""The data loader `initialize(training_data=...)` builds (DeepSpeed's `deepspeed_io`)."""
+"""The data loader `initialize(training_data=...)` builds (DeepSpeed's `deepspeed_io`), and `RepeatingLoader`."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ..utils.repeating_loader import RepeatingLoader  # noqa: F401  (DeepSpeed's path for it: runtime/dataloader)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -50,3 +52,4 @@ def build_dataloader(dataset: Dataset, *, micro_batch_size: int, group: dist.Pro
     # otherwise, which would shift dropout masks depending on when a resumed run calls iter(loader)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                       drop_last=drop_last, generator=torch.Generator().manual_seed(seed))
+

@@ -28,7 +28,7 @@ from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..tensor_parallel import tensor_parallel_layers
 from ..zero.factory import build_strategy
 from ..zero.param_groups import check_optimizer_params
-from .dataloader import build_dataloader
+from .dataloader import RepeatingLoader, build_dataloader
 from .engine import ZeroSpeedEngine
 from .host_malloc import retain_freed_host_memory, retain_wanted
 from .checkpoint_pipe import PipeTranslation
@@ -444,10 +444,12 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     sched = _build_scheduler(cfg, lr_scheduler, opt)
     telemetry = _build_telemetry(cfg, model, device)
     loader = None
-    if training_data is not None:
+    if training_data is not None:  # a pipeline reads its data in order, over and over (DeepSpeed's _build_data_iter)
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
                                   group=group, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-                                  seed=cfg.seed or 0)
+                                  seed=cfg.seed or 0, shuffle=not pipeline)
+        if pipeline:
+            loader = RepeatingLoader(loader)
     engine = (PipelineEngine if pipeline else ZeroSpeedEngine)(
         module=model, optimizer=opt, lr_scheduler=sched, strategy=strategy, group=group, device=device,
         train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -461,6 +463,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if pipeline:
         engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties,
                               split_backward=_split_backward(cfg, model))
+        if loader is not None:
+            engine.set_dataloader(loader)
         engine.checkpoint_translation = engine.pipe_translation = PipeTranslation(model, ties)  # one for all stages
     engine.checkpoint_tag_validation = cfg.checkpoint.tag_validation
     engine.expert_parallel_size = ep

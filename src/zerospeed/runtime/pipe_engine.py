@@ -70,6 +70,7 @@ class PipelineEngine(ZeroSpeedEngine):
         self.num_stages, self.stage_id = self.module.num_stages, self.module.stage_id
         self.micro_batches = self._gas
         self.data_iterator = None
+        self.batch_fn = None
         self.schedule_name = schedule
         module = self.module
         plan = build_schedule(schedule, self.num_stages, self.micro_batches, chunks=module.chunks,
@@ -95,7 +96,23 @@ class PipelineEngine(ZeroSpeedEngine):
         return self.module.is_last_stage()
 
     def set_dataiterator(self, iterator) -> None:
+        """The iterator `train_batch()` reads when called without one (first and last stage; the others read
+        nothing and ignore it), as DeepSpeed's."""
+        self.training_dataloader = None
         self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        """Read `train_batch()`'s micro-batches from `iter(loader)` (first and last stage), as DeepSpeed's. With
+        `initialize(training_data=...)` the engine sets a `RepeatingLoader` over the dataset in order (no shuffle),
+        this rank's data-parallel share of it (a `DistributedSampler` over the data-parallel group), as
+        DeepSpeed's pipeline engine does."""
+        self.training_dataloader = loader
+        self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn) -> None:
+        """Apply `fn` to every micro-batch read from the data iterator (on the stages that read data), as
+        DeepSpeed's."""
+        self.batch_fn = fn
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline engine runs whole batches: call engine.train_batch(data_iter) instead of "
@@ -118,10 +135,11 @@ class PipelineEngine(ZeroSpeedEngine):
         fetched = []
         for i in range(m):
             try:
-                fetched.append(next(it))
+                batch = next(it)
             except StopIteration:
                 raise RuntimeError(f"the data iterator ran dry at micro-batch {i} of {m} (stage {self.stage_id}); "
                                    f"give it at least {m} micro-batches per train_batch") from None
+            fetched.append(self.batch_fn(batch) if self.batch_fn is not None else batch)
         return fetched
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -129,7 +147,9 @@ class PipelineEngine(ZeroSpeedEngine):
         the world. Returns the mean loss over the micro-batches and data-parallel ranks, the same 0-d tensor
         on every rank. Raises ValueError without a data iterator on the first or last stage, RuntimeError
         when it runs dry mid-batch (naming the micro-batch)."""
-        fetched = self._read_batch(data_iter if data_iter is not None else self.data_iterator, self.micro_batches)
+        if data_iter is not None:  # kept for the next train_batch() without one, as DeepSpeed's
+            self.set_dataiterator(data_iter)
+        fetched = self._read_batch(self.data_iterator, self.micro_batches)
         self.module.train()
         losses, _ = self._execute(self._actions, fetched, self.micro_batches, train=True)
         return self._batch_loss([loss.float() for loss in losses])

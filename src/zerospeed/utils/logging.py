@@ -19,3 +19,9 @@ def setup_logger(level: int = logging.INFO) -> logging.Logger:
         logger.setLevel(level)
         logger.propagate = False
     return logger
+
+
+def __getattr__(name):  # `from zerospeed.utils.logging import logger`, as DeepSpeed's `deepspeed.utils.logging.logger`
+    if name == "logger":
+        return setup_logger()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,8 @@ performance complaint; FSDP2 users wrap each transformer block. We pick blocks b
 
 * a *block* is a child of an `nn.ModuleList` / `nn.Sequential` whose children (at least 2) are all
   of one class and hold parameters (transformer layers, ResNet stages of one kind, ...). Modules
-  named by `zero_optimization.leaf_module` (classes / names / name suffixes) are units too. Only the
+  named by `zero_optimization.leaf_module` (classes / names / name suffixes) or flagged by
+  `zerospeed.utils.set_z3_leaf_modules` are units too. Only the
   outermost match counts: a block's inner ModuleLists stay inside the block.
 * the *root* unit gets every other trainable parameter, and also
   - parameters reachable from two units (tied / shared weights such as GPT-2's `wte.weight` ==
@@ -54,7 +55,7 @@ class UnitPlan:
 
 def _matches_leaf(name: str, module: nn.Module, classes, names, suffixes) -> bool:
     cls = type(module)
-    return (name in names or any(name.endswith(s) for s in suffixes if s)
+    return (getattr(module, "_z3_leaf", False) or name in names or any(name.endswith(s) for s in suffixes if s)
             or cls.__name__ in classes or f"{cls.__module__}.{cls.__qualname__}" in classes)
 
 
@@ -62,7 +63,7 @@ def find_unit_modules(model: nn.Module, *, leaf_classes=(), leaf_names=(), leaf_
     """Names of the modules that become gather units (outermost first match), in `named_modules()` order.
 
     A module qualifies if it is a leaf module (by class name, qualified class name, module name or
-    name suffix) or a child of an nn.ModuleList / nn.Sequential whose >= 2 children are all one class
+    name suffix, or flagged `_z3_leaf` by `set_z3_leaf_modules`) or a child of an nn.ModuleList / nn.Sequential whose >= 2 children are all one class
     that holds parameters. The root module itself never qualifies. Every tile (`linears[o][i]`) of a
     `TiledLinear` qualifies too, also inside a module already chosen (nested units).
     """
