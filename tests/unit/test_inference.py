@@ -287,6 +287,43 @@ def test_config_file_and_checkpoint_json(tmp_path):
                 assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
 
 
+def test_torch_saved_state_dicts_load_and_bad_checkpoint_lists_are_errors(tmp_path):
+    """`pytorch_model.bin` (a file, a directory, HF's sharded .bin index, DeepSpeed's checkpoint json listing
+    .bin files) loads as safetensors do, through `torch.load(weights_only=True, mmap=True)`; a json listing both
+    kinds, an unknown kind or a missing file is a ValueError naming it."""
+    import json
+
+    ref = tiny_hf_gpt2(seed=2).eval()
+    state = ref.state_dict()
+    (tmp_path / "one").mkdir()
+    torch.save(state, tmp_path / "one" / "pytorch_model.bin")
+    (tmp_path / "two").mkdir()  # two shards and their index, as HF's save of a large model
+    names = list(state)
+    parts = {"pytorch_model-00001-of-00002.bin": names[:5], "pytorch_model-00002-of-00002.bin": names[5:]}
+    for fname, keys in parts.items():
+        torch.save({k: state[k] for k in keys}, tmp_path / "two" / fname)
+    (tmp_path / "two" / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, keys in parts.items() for k in keys}}))
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids).logits
+    for source, base_dir in ((str(tmp_path / "one" / "pytorch_model.bin"), ""), (str(tmp_path / "one"), ""),
+                             (str(tmp_path / "two"), ""),
+                             ({"type": "BLOOM", "checkpoints": sorted(parts)}, str(tmp_path / "two"))):
+        with torch.device("meta"):
+            model = type(ref)(ref.config).eval()
+        got = zerospeed.init_inference(model, dtype=torch.float32, checkpoint=source, base_dir=base_dir)(ids).logits
+        assert torch.equal(got, want), source
+    ref.save_pretrained(tmp_path / "one")  # model.safetensors beside the .bin
+    for files, match in ((["model.safetensors", "pytorch_model.bin"], "one kind"), (["weights.npz"], "one kind"),
+                         (["absent.bin"], r"files not found: \[.*absent.bin")):
+        with torch.device("meta"):
+            model = type(ref)(ref.config).eval()
+        with pytest.raises(ValueError, match=match):
+            zerospeed.init_inference(model, dtype=torch.float32, base_dir=str(tmp_path / "one"),
+                                     checkpoint={"type": "BLOOM", "checkpoints": files})
+
+
 class _Scaled(torch.nn.Module):
     """Not a HF model: no `_init_weights` to recompute a buffer a checkpoint lacks."""
 

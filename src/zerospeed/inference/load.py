@@ -5,6 +5,8 @@ Sources (`open_checkpoint`):
   (`model.safetensors.index.json` + `model-0000i-of-0000n.safetensors`: `save_pretrained`, `zerospeed
   to-fp32`, `engine.save_16bit_model`). A tensor-parallel shard is read with safetensors' `get_slice`:
   only this rank's rows (column-parallel) or columns (row-parallel) leave the file;
+* `torch.save`d state dicts (`pytorch_model.bin`, HF's sharded `pytorch_model.bin.index.json` layout, or the
+  `.bin` files a DeepSpeed checkpoint json lists), loaded with `weights_only=True`, memory-mapped;
 * a zerospeed training checkpoint directory (`engine.save_checkpoint`): consolidated in memory by
   `zero_to_fp32`, then sliced (convert it once with `zerospeed to-fp32` to read shards only).
 
@@ -22,9 +24,11 @@ import torch
 from torch import nn
 
 __all__ = ["open_checkpoint", "load_weights", "recompute_buffers", "materialize", "checkpoint_names", "lacking",
-           "SafetensorsReader", "StateDictReader"]
+           "SafetensorsReader", "StateDictReader", "torch_files_reader"]
 
 INDEX = "model.safetensors.index.json"
+TORCH_INDEX, TORCH_WEIGHTS = "pytorch_model.bin.index.json", "pytorch_model.bin"
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
 class SafetensorsReader:
@@ -106,8 +110,8 @@ class StateDictReader:
 
 def open_checkpoint(source, base_dir: str = ""):
     """A reader for `source`: a path (file or directory), or DeepSpeed's checkpoint json (a dict, or a path to
-    a .json file: {"type": ..., "checkpoints": [files], "base_dir": ...}; its safetensors files, relative to
-    its base_dir, else `base_dir`, else the json's directory). A json (or its directory) with
+    a .json file: {"type": ..., "checkpoints": [files], "base_dir": ...}; its safetensors files or torch.save
+    state dicts, relative to its base_dir, else `base_dir`, else the json's directory). A json (or its directory) with
     "parallelization": "tp" is a `save_mp_checkpoint_path` save: an `mp_checkpoint.MpShardsReader`, to be
     bound to the rank. Raises ValueError for a missing path or an unknown layout, naming what was looked for."""
     from .mp_checkpoint import CONFIG_NAME, MpShardsReader
@@ -124,9 +128,16 @@ def open_checkpoint(source, base_dir: str = ""):
         files = source.get("checkpoints") or []
         base = Path(source.get("base_dir") or base_dir or ".")
         paths = [base / f for f in (files if isinstance(files, list) else [files])]
-        if not paths or any(p.suffix != ".safetensors" for p in paths):
-            raise ValueError(f"checkpoint json {source!r}: only safetensors files are read; convert the weights with "
-                             "save_pretrained(safe_serialization=True) or zerospeed to-fp32")
+        kinds = {".safetensors" if p.suffix == ".safetensors" else "torch" if p.suffix in TORCH_SUFFIXES else p.suffix
+                 for p in paths}
+        if not paths or len(kinds) != 1 or kinds - {".safetensors", "torch"}:
+            raise ValueError(f"checkpoint json {source!r}: give safetensors files or torch.save state dicts "
+                             f"({', '.join(TORCH_SUFFIXES)}), one kind, in its \"checkpoints\" list")
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise ValueError(f"checkpoint json: files not found: {missing} (relative to base_dir {base})")
+        if kinds == {"torch"}:
+            return torch_files_reader(paths)
         readers = [SafetensorsReader.from_path(p) for p in paths]
         return SafetensorsReader({k: v for r in readers for k, v in r.files.items()})
     path = Path(source)
@@ -135,7 +146,30 @@ def open_checkpoint(source, base_dir: str = ""):
     if path.is_dir() and (path / "latest").is_file() or any(path.glob("*/zs_rank*.safetensors")):
         from ..utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         return StateDictReader(get_fp32_state_dict_from_zero_checkpoint(path))
+    if path.is_file() and path.suffix in TORCH_SUFFIXES:
+        return torch_files_reader([path])
+    if path.is_dir() and not any(path.glob("*.safetensors")) and not (path / INDEX).is_file():
+        if (path / TORCH_INDEX).is_file():  # HF's sharded pytorch_model-0000i-of-0000n.bin
+            names = sorted(set(json.loads((path / TORCH_INDEX).read_text())["weight_map"].values()))
+            return torch_files_reader([path / n for n in names])
+        if (path / TORCH_WEIGHTS).is_file():
+            return torch_files_reader([path / TORCH_WEIGHTS])
     return SafetensorsReader.from_path(path)
+
+
+def torch_files_reader(paths) -> StateDictReader:
+    """The tensors of `torch.save`d state dicts (HF's `pytorch_model*.bin`), loaded with `weights_only=True` (no
+    code in the file runs) and memory-mapped where the file allows it (then a shard reads only its pages)."""
+    state: dict[str, torch.Tensor] = {}
+    for p in paths:
+        try:
+            part = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a pre-1.6 (non-zip) file cannot be memory-mapped
+            part = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(part, dict):
+            raise ValueError(f"checkpoint {p}: expected a state dict (name -> tensor), got {type(part).__name__}")
+        state.update(part)
+    return StateDictReader(state)
 
 
 def materialize(model: nn.Module, device) -> None:
