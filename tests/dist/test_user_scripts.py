@@ -241,3 +241,104 @@ def test_eval_under_no_grad_at_stage3_leaks_nothing():
     assert max_rel_diff(r["grad_evals"], ref_evals) < LOSS_TOL, (r["grad_evals"], ref_evals)
     assert r["end_sharded"] and r["end"] == r["before"], (r["before"], r["end"])
     assert max_rel_diff(r["losses"], ref) < LOSS_TOL, (r["losses"], ref)
+
+
+# -- 4. DeepSpeed-Chat's ZeRO-3 helpers: parameters tested by their `ds_*` markers ------------------------
+def _z3_params_to_fetch(param_list, ZeroParamStatus):
+    """DeepSpeed-Chat's `dschat/utils/utils.py: _z3_params_to_fetch`, verbatim but for the enum passed in."""
+    return [p for p in param_list if hasattr(p, 'ds_id') and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def dschat_runs(rank, world):
+    import zerospeed as deepspeed
+    from zerospeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    model, ema = make_model(), make_model(seed=4)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(3))
+    ema_engine, _, _, _ = deepspeed.initialize(model=ema, config=ds_config(3, optimizer=False))
+    x = batches(1)[0]
+    loss = engine(input_ids=mine(x, rank), labels=mine(x, rank)).loss
+    engine.backward(loss)
+    engine.step()
+    params = dict(engine.module.named_parameters())
+    out = {"marked": all(hasattr(p, "ds_id") for p in params.values()),
+           "ids_unique": len({p.ds_id for p in params.values()}) == len(params),
+           "numel": {n: p.ds_numel for n, p in params.items()}, "shape": {n: tuple(p.ds_shape) for n, p in
+                                                                          params.items()},
+           "status_after_step": {p.ds_status for p in params.values()},
+           "to_fetch": len(_z3_params_to_fetch(params.values(), ZeroParamStatus)) == len(params)}
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        out["status_gathered"] = {p.ds_status for p in params.values()}
+        out["to_fetch_gathered"] = len(_z3_params_to_fetch(params.values(), ZeroParamStatus))
+    def save_zero_three_model(module):  # dschat's, as written there (the state dict kept, not torch.save'd)
+        output_state_dict = {}
+        for k, v in module.named_parameters():
+            if hasattr(v, 'ds_id'):
+                with deepspeed.zero.GatheredParameters(_z3_params_to_fetch([v], ZeroParamStatus), enabled=True):
+                    v_p = v.data.cpu().clone()
+            else:
+                v_p = v.cpu()
+            output_state_dict[k] = v_p
+        return output_state_dict
+
+    def moving_average(model, model_ema, beta, modifier_rank):  # dschat's, with or without modifier_rank
+        with torch.no_grad():
+            for param, param_ema in zip(model.parameters(), model_ema.parameters()):
+                params_to_fetch = _z3_params_to_fetch([param, param_ema], ZeroParamStatus)
+                with deepspeed.zero.GatheredParameters(params_to_fetch, modifier_rank=modifier_rank,
+                                                       enabled=len(params_to_fetch) > 0):
+                    param_ema.data.copy_(torch.lerp(param.data, param_ema.data, beta))
+
+    # as DeepSpeed: without modifier_rank the edits made inside GatheredParameters are discarded on exit
+    moving_average(engine.module, ema_engine.module, 0.5, None)
+    out["unchanged"] = save_zero_three_model(ema_engine.module)
+    moving_average(engine.module, ema_engine.module, 0.5, 0)
+    saved = save_zero_three_model(ema_engine.module)
+    trained = {}
+    for k, v in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([v]):
+            trained[k] = v.data.clone()
+    engine.destroy()
+    ema_engine.destroy()
+    # with zero_optimization.enable_sanity_checks, an edit without modifier_rank is an error (DeepSpeed's)
+    checked, _, _, _ = deepspeed.initialize(model=make_model(seed=4), config={
+        **ds_config(3, optimizer=False), "zero_optimization": {"stage": 3, "enable_sanity_checks": True}})
+    weight = checked.module.transformer.wte.weight
+    with torch.no_grad():
+        with deepspeed.zero.GatheredParameters([weight]):
+            weight.data.add_(1.0)  # as DeepSpeed's check: `.data` has a version counter of its own, not seen
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):  # allowed
+            weight.mul_(1.0)
+        try:
+            with deepspeed.zero.GatheredParameters([weight]):
+                if rank == 1:  # one rank edits: every rank raises (the flag is all-reduced)
+                    weight.add_(1.0)
+            out["sanity"] = "no error"
+        except RuntimeError as e:
+            out["sanity"] = str(e)
+    checked.destroy()
+    out.update(saved=saved, trained=trained)
+    return out
+
+
+def test_deepspeed_chat_zero3_helpers_see_ds_markers_and_gather():
+    """At ZeRO-3 every managed parameter carries DeepSpeed's `ds_id`, `ds_numel`, `ds_shape` (the full ones) and
+    `ds_status` (NOT_AVAILABLE outside a forward, AVAILABLE inside `GatheredParameters`), so DeepSpeed-Chat's
+    `_z3_params_to_fetch` finds them: `save_zero_three_model` then saves the full values, not the 0-element
+    placeholders it silently saved before the markers existed, and the EMA update (`moving_average`) takes effect
+    with `modifier_rank=0` and is discarded without it, as in DeepSpeed (dschat passes none: its ZeRO-3 EMA
+    stays at its initial weights there too)."""
+    r = run_distributed(dschat_runs, WORLD, timeout=300)[0]
+    full = dict(make_model().named_parameters())
+    assert r["marked"] and r["ids_unique"] and r["to_fetch"]
+    assert r["numel"] == {n: p.numel() for n, p in full.items()}
+    assert r["shape"] == {n: tuple(p.shape) for n, p in full.items()}
+    assert {s.name for s in r["status_after_step"]} == {"NOT_AVAILABLE"}
+    assert {s.name for s in r["status_gathered"]} == {"AVAILABLE"} and r["to_fetch_gathered"] == 0
+    assert "in-place modification of ZeRO-3 parameters" in r["sanity"], r["sanity"]
+    ema0 = dict(make_model(seed=4).named_parameters())
+    assert r["saved"].keys() == r["unchanged"].keys() == ema0.keys()
+    for k, v in r["saved"].items():
+        assert torch.equal(r["unchanged"][k], ema0[k].detach()), k  # GatheredParameters without modifier_rank
+        want = torch.lerp(r["trained"][k], ema0[k].detach(), 0.5)  # with modifier_rank=0
+        assert v.shape == full[k].shape and torch.allclose(v, want, rtol=1e-6, atol=1e-7), k

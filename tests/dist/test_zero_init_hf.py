@@ -114,7 +114,10 @@ def _checks(kind: str, rank: int, root: str) -> dict:
     ref = {n: p.detach().clone() for n, p in plain.named_parameters()}
     out = {"from_config": _max_diff(built, ref), "held": _held(built),
            "partitioned": (len(partitioned_parameters(built)), len(ref)),
-           "empty": all(p.data.numel() == 0 for p in built.parameters())}
+           "empty": all(p.data.numel() == 0 for p in built.parameters()),
+           # DeepSpeed's markers, as HF / DeepSpeed-Chat code reads them
+           "markers": all(p.ds_status.name == "NOT_AVAILABLE" and p.ds_numel == ref[n].numel()
+                          and p.ds_shape == ref[n].shape for n, p in built.named_parameters())}
     if kind == "gpt2":
         out["tied"] = built.lm_head.weight is built.transformer.wte.weight
     path = f"{root}/{kind}"
@@ -166,7 +169,7 @@ def test_from_config_under_init_equals_plain_build_and_holds_half(results, kind)
     for r in results:
         out = r[kind]
         assert out["from_config"] == 0.0
-        assert out["partitioned"][0] == out["partitioned"][1] > 0 and out["empty"]
+        assert out["partitioned"][0] == out["partitioned"][1] > 0 and out["empty"] and out["markers"]
         held, expected = out["held"]
         assert held == expected  # every parameter: ceil(numel / 2) elements on this rank, nothing full
         assert out.get("tied", True)

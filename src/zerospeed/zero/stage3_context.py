@@ -18,6 +18,7 @@ import weakref
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import stage3_init as init
@@ -91,7 +92,8 @@ class GatheredParameters:
     r -> on exit rank r's full values of those units are broadcast and every rank re-partitions them
     into its shard (so edits made on rank r, e.g. loading weights, take effect everywhere).
     fwd_module: accepted for DeepSpeed compatibility (the units stay gathered for the whole context
-    anyway). enabled=False: a no-op. Nesting is allowed. Collective on entry and exit. Units that
+    anyway). enabled=False: a no-op. With `zero_optimization.enable_sanity_checks` and modifier_rank=None, a
+    parameter changed in place inside the block is a RuntimeError on exit on every rank (as DeepSpeed). Nesting is allowed. Collective on entry and exit. Units that
     were already gathered on entry (inside a forward, say) stay gathered on exit.
     """
 
@@ -104,6 +106,7 @@ class GatheredParameters:
         self.fwd_module = fwd_module
         self._taken: list = []  # (strategy, units, was_sharded)
         self._init_taken: list = []
+        self._versions: list | None = None  # (param, data_ptr, _version) with enable_sanity_checks, modifier None
 
     def __enter__(self) -> GatheredParameters:
         by_strategy: dict = {}
@@ -115,14 +118,32 @@ class GatheredParameters:
             ordered = [units[i] for i in sorted(units)]
             self._taken.append((s, ordered, s.pin(ordered)))
         self._init_taken = init.gather(self.params)  # partitioned by zerospeed.zero.Init, no engine yet
+        if self.modifier_rank is None and any(s.scheduler.sanity_checks for s, _, _ in self._taken):
+            self._versions = [(p, p.data.data_ptr(), p._version) for p in self.params]  # DeepSpeed's check
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         modifier = self.modifier_rank if exc_type is None else None  # no collective on a failing rank
+        modified = self._modified() if self._versions and exc_type is None else False
         init.release(self._init_taken, modifier)
         for s, units, was_sharded in reversed(self._taken):
             s.unpin(units, was_sharded, modifier_rank=modifier)
-        self._taken, self._init_taken = [], []
+        self._taken, self._init_taken, self._versions = [], [], None
+        if modified:
+            raise RuntimeError("Detected in-place modification of ZeRO-3 parameters inside GatheredParameters with "
+                               "modifier_rank=None (the edits are discarded). Use modifier_rank=<rank> to broadcast "
+                               "updates across ranks. (Checked because zero_optimization.enable_sanity_checks is "
+                               "true, as DeepSpeed does.)")
+
+    def _modified(self) -> bool:
+        """Whether any rank changed a parameter's data in place (or rebound it) inside the block. Collective over
+        the data-parallel group of the first strategy taken."""
+        local = any(p.data.data_ptr() != ptr or p._version != version for p, ptr, version in self._versions)
+        flag = torch.tensor(int(local), device=self._versions[0][0].device)  # the collective's device (NCCL: GPU)
+        group = self._taken[0][0].group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag)
 
 
 def _strategy_of(engine_or_module):

@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..comm.ops import start_all_gather
+from .ds_markers import ZeroParamStatus, mark
 
 
 class ShardState(enum.Enum):
@@ -207,6 +208,7 @@ def settle(keep_owners: tuple = ()) -> None:
             _store(st, _cut(value, st.group, 0))
             st.to(ShardState.SHARDED)
             param.data = _empty_like_param(value)
+            mark(param, st.shape, ZeroParamStatus.NOT_AVAILABLE)
             del _TOUCHED[key]
 
 
@@ -230,6 +232,7 @@ def touch(param: nn.Parameter, overwrite: bool) -> None:
             param.data = _full(st)
     _discard(st)
     st.to(ShardState.TOUCHED)
+    param.ds_status = ZeroParamStatus.AVAILABLE
     _TOUCHED[id(param)] = param
 
 
@@ -239,6 +242,7 @@ def replaced(param: nn.Parameter) -> None:
     if st is not None and st.state is ShardState.SHARDED:
         _discard(st)
         st.to(ShardState.TOUCHED)
+        param.ds_status = ZeroParamStatus.AVAILABLE
         _TOUCHED[id(param)] = param
 
 
@@ -268,6 +272,7 @@ def gather(params: list[nn.Parameter]) -> list[nn.Parameter]:
             if st is not None and st.state is ShardState.SHARDED and not any(q is p for q in taken):
                 p.data = _full(st).clone()
                 st.to(ShardState.GATHERED)
+                p.ds_status = ZeroParamStatus.AVAILABLE
                 taken.append(p)
     return taken
 
@@ -287,3 +292,4 @@ def release(params: list[nn.Parameter], modifier_rank: int | None) -> None:
                 _store(st, _cut(value, st.group, modifier_rank))
             st.to(ShardState.SHARDED)
             p.data = _empty_like_param(p.data)
+            mark(p, st.shape, ZeroParamStatus.NOT_AVAILABLE)

@@ -37,6 +37,7 @@ from ..offload.grads import widen_into
 from ..offload.aio import HOST
 from ..offload.hostmem import GatheredPool, advise_huge_pages, host_empty
 from .clipping import sum_of_squares
+from .ds_markers import ZeroParamStatus, mark
 from .partition import FlatPartition, plan_one_chunk
 
 
@@ -48,6 +49,8 @@ class ParamStatus(enum.Enum):
     GATHERED = "gathered"    # full buffer valid; parameters' .data are views into it
 
 
+_DS_STATUS = {ParamStatus.SHARDED: ZeroParamStatus.NOT_AVAILABLE, ParamStatus.GATHERING: ZeroParamStatus.INFLIGHT,
+              ParamStatus.GATHERED: ZeroParamStatus.AVAILABLE}  # DeepSpeed's names, on the parameters (ds_markers)
 _ALLOWED = {ParamStatus.SHARDED: ParamStatus.GATHERING, ParamStatus.GATHERING: ParamStatus.GATHERED,
             ParamStatus.GATHERED: ParamStatus.SHARDED}
 
@@ -120,7 +123,8 @@ def start_bucket_reduce(units: list[ShardedUnit], *, comms: GroupCollectives, pr
 
 
 class ShardedParam:
-    """Per-parameter ZeRO-3 state, kept beside (never on) the `nn.Parameter`.
+    """Per-parameter ZeRO-3 state, kept beside (never on) the `nn.Parameter` (which carries only DeepSpeed's
+    read-only markers `ds_id` / `ds_status` / `ds_numel` / `ds_shape` for user scripts: `ds_markers`).
 
     param: the parameter object the module holds. fqn: its canonical name from
     `model.named_parameters()`; aliases: every name it has (tied weights have several).
@@ -194,6 +198,8 @@ class ShardedUnit:
         full_value = full_value or (lambda p: p.data)
         self.params = [ShardedParam(p, fqn, aliases, self, i, shape_of(p))
                        for i, (p, fqn, aliases) in enumerate(params)]
+        for sp in self.params:
+            mark(sp.param, sp.shape, ZeroParamStatus.AVAILABLE)
         self.layout: FlatPartition = plan_one_chunk([sp.numel for sp in self.params], world)
         ref = params[0][0] if params else torch.empty(0)
         if any(p.dtype != ref.dtype or p.device != ref.device for p, _, _ in params):
@@ -241,6 +247,8 @@ class ShardedUnit:
             raise RuntimeError(f"ZeRO-3 unit {self.name or '<root>'}: illegal transition {self.status.value} -> "
                                f"{new.value} (allowed: {self.status.value} -> {_ALLOWED[self.status].value})")
         self.status = new
+        for sp in self.params:
+            sp.param.ds_status = _DS_STATUS[new]
 
     def start_gather(self, comms: GroupCollectives) -> None:
         """SHARDED -> GATHERING: allocate the full buffer and start its all-gather (`comms`, over the
