@@ -64,7 +64,8 @@ def resume_run(rank, world, save_dir, tp, stage):
     return [_step(engine, x) for x in _batches()[2:]]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# stages 2 and 3 (~20 s each) in the slow pass
+@pytest.mark.parametrize("stage", [0, 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_tp_checkpoint_reshards_across_tp_and_dp(tmp_path, stage):
     save_dir = str(tmp_path / "ckpt")
     kept_going = run_distributed(save_run, 4, save_dir, stage, timeout=300)[0]

@@ -193,6 +193,7 @@ def test_set_empty_params_compiles_over_the_models_own_weights():
         assert torch.equal(engine.module.generate(ids, **kw), want)
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_kernel_injection_puts_the_decode_steps_weights_on_huge_pages(monkeypatch):
     """On CPU the compiled decode step's constants (the frozen, packed weights; here the 4 MiB lm_head) are moved
     onto huge pages once compiled: each one's 2 MiB-aligned interior is, and the tokens stay the plain model's.
@@ -224,6 +225,7 @@ def test_kernel_injection_puts_the_decode_steps_weights_on_huge_pages(monkeypatc
         assert huge_page_bytes(t) >= t.nbytes - 4 * 2**20, (tuple(t.shape), huge_page_bytes(t))
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_kernel_injection_puts_the_kv_cache_on_huge_pages():
     """The static KV cache the decode step streams every token (here a 4 MiB [64, 2, 127, 64] layer) is moved onto
     huge pages after the first decode step (it was looked up under a keyword HF 5 no longer passes, and stayed on

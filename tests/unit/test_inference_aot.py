@@ -50,6 +50,7 @@ def test_the_package_serves_every_decode_step_with_hfs_tokens(build, monkeypatch
     assert len(call._aot_steps) == 1 and call.aot_calls == 3 * (new - 1)
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_a_package_that_does_not_build_leaves_the_compiled_step_with_a_warning(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("export failed here\nsecond line")

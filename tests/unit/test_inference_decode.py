@@ -67,6 +67,7 @@ def test_greedy_and_sampling_take_the_decode_loop_with_hfs_tokens(models):
     assert not torch.equal(got, _both(models, do_sample=False, **kw)[0])  # the sampling call did sample
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_llama_takes_the_decode_loop_with_hfs_tokens():
     """Grouped-query attention and rotary positions (tiny HF Llama): the same greedy and sampled tokens as HF."""
     pair = _injected(tiny_hf_llama)
@@ -89,6 +90,7 @@ def test_end_of_sequence_pads_finished_rows_and_stops(models):
     assert (got[1, 13:] == 0).all() and got.shape[1] <= plain.shape[1]
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_other_modes_keep_hfs_loop(models):
     from transformers import TextStreamer
 
@@ -142,6 +144,7 @@ def test_inputs_that_advance_otherwise_are_caught_at_the_second_step(models):
     assert decode_loop_calls["fast"] == before["fast"] and torch.equal(got, want)
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_decode_steps_after_the_second_skip_dynamos_guards_and_keep_hfs_tokens(compiled_models):
     """Within one call the compiled step runs without dynamo's guards from its third step (`again`: 12 new tokens
     = a prefill and 11 steps, 9 of them unguarded); a call at another batch size is guarded again at its first
@@ -185,6 +188,7 @@ def test_again_runs_the_guards_on_a_new_signature_or_a_step_with_graph_breaks():
     assert not broken.whole_graph and broken.unguarded_calls == 0
 
 
+@pytest.mark.slow  # ~15-40 s of compilation: CI's slow pass (python -m pytest -q -m slow)
 def test_the_decode_step_attends_the_filled_part_of_the_cache_with_one_graph():
     """Prompt 10 + 40 new tokens: a 50-position cache (49 + the spare one); the steps pass masks cut to the filled
     positions rounded up to 32 (32, then 49: never the whole cache), HF's tokens, one compiled graph for both
