@@ -1,5 +1,5 @@
 """DeepSpeedExamples' text-generation script (`inference/huggingface/text-generation/inference-test.py` with its
-`DSPipeline`), written as its users write it (`tests/e2e/scripts/inference_test.py`: the same calls; only the
+`DSPipeline`), written as its users write it (`tests/e2e/scripts/text_generation.py`: the same calls; only the
 imports name zerospeed), run on a local tiny GPT-2 "repo" (config, tokenizer, `model.safetensors` and the
 `pytorch_model.bin` older hub repos ship). Greedy generation of 12 tokens for 4 left-padded prompts of
 different lengths must give exactly the token ids of the script's own `--hf_baseline` (plain HF `generate`):
@@ -23,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="Hugging Face transformers is not installed "
                                    "(pip install -e '.[test]' installs it)")
 
-SCRIPT = Path(__file__).parent / "scripts" / "inference_test.py"
+SCRIPT = Path(__file__).parent / "scripts" / "text_generation.py"
 WORDS = ("DeepSpeed is a machine learning framework He working on has got all Everyone happy and I can The new "
          "movie that Oscar this year In the far distance from our galaxy, Peace only way").split()
 ARGS = ["--batch_size", "4", "--greedy", "--max_new_tokens", "12"]

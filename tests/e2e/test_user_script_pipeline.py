@@ -1,6 +1,7 @@
 """DeepSpeedExamples' pipeline training script (`training/pipeline_parallelism/train.py`), written as its users
 write it (`tests/e2e/scripts/pipeline_train.py`: the same calls; only the imports name zerospeed), launched with
-torchrun on real gloo ranks. Its per-step losses must equal plain PyTorch's on the same network, data and order:
+`zerospeed launch` (torchrun) as the example's run.sh launches it, on real gloo ranks. Its per-step losses must
+equal plain PyTorch's on the same network, data and order:
 
 - `-p 2` (a `PipelineModule` of plain layers and a lambda, `initialize(training_data=...)`, `train_batch()` with
   no iterator): the engine reads the dataset in order, each data-parallel rank its `DistributedSampler` share, over
@@ -40,9 +41,9 @@ def _launch(tmp_path, world: int, pp: int, steps: int) -> list[list[float]]:
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(SCRIPT), "-s", str(steps), "-p", str(pp), "--deepspeed", "--deepspeed_config", str(cfg),
-           "--out", str(out)]
+    # as the example's run.sh (`deepspeed train.py --deepspeed_config=ds_config.json -p 2 --steps=200`)
+    cmd = [sys.executable, "-m", "zerospeed.cli", "launch", "--nproc-per-node", str(world), str(SCRIPT),
+           f"--deepspeed_config={cfg}", "-p", str(pp), f"--steps={steps}", "--out", str(out)]
     res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
