@@ -93,8 +93,9 @@ class GatheredParameters:
     into its shard (so edits made on rank r, e.g. loading weights, take effect everywhere).
     fwd_module: accepted for DeepSpeed compatibility (the units stay gathered for the whole context
     anyway). enabled=False: a no-op. With `zero_optimization.enable_sanity_checks` and modifier_rank=None, a
-    parameter changed in place inside the block is a RuntimeError on exit on every rank (as DeepSpeed). Nesting is allowed. Collective on entry and exit. Units that
-    were already gathered on entry (inside a forward, say) stay gathered on exit.
+    parameter changed in place inside the block (its `_version` or data pointer; as DeepSpeed, an edit through
+    `.data` is not seen) is a RuntimeError on exit on every rank. Nesting is allowed. Collective on entry and
+    exit. Units that were already gathered on entry (inside a forward, say) stay gathered on exit.
     """
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
