@@ -20,6 +20,8 @@ def test_subpackages_are_attributes_after_import_zerospeed():
     assert callable(zerospeed.runtime.utils.set_random_seed)
     assert zerospeed.utils.RepeatingLoader is zerospeed.runtime.dataloader.RepeatingLoader
     assert isinstance(zerospeed.utils.logger, logging.Logger)
+    from zerospeed.runtime.engine import DeepSpeedEngine  # `isinstance(engine, DeepSpeedEngine)` in user code
+    assert DeepSpeedEngine is zerospeed.ZeroSpeedEngine
     from zerospeed.utils.logging import logger
     assert logger is zerospeed.utils.logger
 

@@ -352,6 +352,9 @@ class ZeroSpeedEngine(nn.Module):
                      self.skipped_steps, self.get_lr(), self._global_grad_norm or 0.0, scale, rate)
 
 
+DeepSpeedEngine = ZeroSpeedEngine  # DeepSpeed's name at its path, for `isinstance(engine, DeepSpeedEngine)`
+
+
 def _cast_floating(obj, dtype: torch.dtype):
     """Cast every floating-point tensor inside (nested tuples / lists / dicts) to `dtype`."""
     if torch.is_tensor(obj):
