@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -18,12 +19,17 @@ class OpStats:
     seconds: float = 0.0
 
 
-@dataclass
+_LIVE: "weakref.WeakSet[CommsLogger]" = weakref.WeakSet()  # every logger alive, for `comm.log_summary()`
+
+
+@dataclass(eq=False)
 class CommsLogger:
     """Accumulates per-collective statistics.
 
     enabled: record anything at all. verbose: log every call. prof_all / prof_ops: record all ops, or
     only the names listed. Counts are what this rank passes to the collective (input elements).
+    calls: per op and message size (bytes), each call's (seconds, ranks in its group): what DeepSpeed's
+    `comm.log_summary()` tabulates (`comm/summary.py`).
     """
 
     enabled: bool = True
@@ -31,11 +37,15 @@ class CommsLogger:
     prof_all: bool = True
     prof_ops: tuple[str, ...] = ()
     stats: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    calls: dict[str, dict[int, list[tuple[float, int]]]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _LIVE.add(self)
 
     def wants(self, name: str) -> bool:
         return self.enabled and (self.prof_all or name in self.prof_ops)
 
-    def record(self, name: str, numel: int, nbytes: int, seconds: float) -> None:
+    def record(self, name: str, numel: int, nbytes: int, seconds: float, ranks: int = 1) -> None:
         if not self.wants(name):
             return
         s = self.stats[name]
@@ -43,6 +53,7 @@ class CommsLogger:
         s.bytes += nbytes
         s.elements += numel
         s.seconds += seconds
+        self.calls.setdefault(name, {}).setdefault(nbytes, []).append((seconds, ranks))
         if self.verbose:
             log.info("comm %s: %d elements, %d bytes, %.3f ms", name, numel, nbytes, seconds * 1e3)
 
@@ -51,6 +62,12 @@ class CommsLogger:
 
     def reset(self) -> None:
         self.stats.clear()
+        self.calls.clear()
+
+
+def live_loggers() -> list[CommsLogger]:
+    """The loggers alive in this process (one per engine built with `comms_logger.enabled`)."""
+    return list(_LIVE)
 
     def summary(self) -> str:
         """A table: op, calls, MB, ms, MB/s."""

@@ -27,6 +27,7 @@ class CommHandle:
     started: float
     logger: CommsLogger | None
     done: bool = False
+    group: object = None  # its process group (the logger records the group's size)
 
     def wait(self) -> None:
         if self.done:
@@ -37,7 +38,8 @@ class CommHandle:
         self.work = None  # a finished dist.Work still references its tensors: let them go now
         self.done = True
         if self.logger is not None:
-            self.logger.record(self.name, self.numel, self.nbytes, time.perf_counter() - self.started)
+            self.logger.record(self.name, self.numel, self.nbytes, time.perf_counter() - self.started,
+                               dist.get_world_size(self.group))
 
     def is_completed(self) -> bool:
         """True once the collective finished (`wait()` then returns at once); never blocks."""
@@ -84,9 +86,9 @@ def _messages(group, send, recv, tag: int) -> Works:
     return Works(works)
 
 
-def _handle(name, work, tensor, logger, started):
-    h = CommHandle(name, work, tensor.numel(), tensor.numel() * tensor.element_size(), started, logger)
-    return h
+def _handle(name, work, tensor, logger, started, group):
+    return CommHandle(name, work, tensor.numel(), tensor.numel() * tensor.element_size(), started, logger,
+                      group=group)
 
 
 def start_all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None,
@@ -96,7 +98,7 @@ def start_all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None,
     started = time.perf_counter()
     with record_function("zerospeed::all_reduce"):
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _handle("all_reduce", work, tensor, logger, started)
+    return _handle("all_reduce", work, tensor, logger, started, group)
 
 
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None,
@@ -113,7 +115,7 @@ def broadcast(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None
     started = time.perf_counter()
     with record_function("zerospeed::broadcast"):
         work = dist.broadcast(tensor, group_src=src, group=group, async_op=True)
-    _handle("broadcast", work, tensor, logger, started).wait()
+    _handle("broadcast", work, tensor, logger, started, group).wait()
     return tensor
 
 
@@ -124,7 +126,7 @@ def start_send(tensor: torch.Tensor, dst: int, *, group: dist.ProcessGroup | Non
     started = time.perf_counter()
     with record_function("zerospeed::send"):
         work = dist.isend(tensor, group=group, group_dst=dst)
-    return _handle("send", work, tensor, logger, started)
+    return _handle("send", work, tensor, logger, started, group)
 
 
 def start_recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
@@ -135,7 +137,7 @@ def start_recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | Non
     started = time.perf_counter()
     with record_function("zerospeed::recv"):
         work = dist.irecv(tensor, group=group, group_src=src)
-    return _handle("recv", work, tensor, logger, started)
+    return _handle("recv", work, tensor, logger, started, group)
 
 
 def recv(tensor: torch.Tensor, src: int, *, group: dist.ProcessGroup | None,
@@ -157,7 +159,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, group: dist.
     with record_function("zerospeed::all_to_all"):
         work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=True)
-    _handle("all_to_all", work, input, logger, started).wait()
+    _handle("all_to_all", work, input, logger, started, group).wait()
     return output
 
 
@@ -203,7 +205,7 @@ def start_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group: di
                              received.view(world - 1, k), output)
         else:
             work = _reduce_scatter_single(output, input, op=op, group=group, async_op=True)
-    return _handle("reduce_scatter", work, input, logger, started)
+    return _handle("reduce_scatter", work, input, logger, started, group)
 
 
 def reduce_scatter_workspace_numel(k: int, *, group: dist.ProcessGroup | None) -> int:
@@ -259,4 +261,4 @@ def start_all_gather(output: torch.Tensor, input: torch.Tensor, *, group: dist.P
             work = _messages(group, lambda dst: own, lambda j, src: output[src * k:(src + 1) * k], _ALL_GATHER_TAG)
         else:
             work = _all_gather_single(output, input, group=group, async_op=True)
-    return _handle("all_gather", work, output, logger, started)
+    return _handle("all_gather", work, output, logger, started, group)
