@@ -266,6 +266,9 @@ def dschat_runs(rank, world):
            "numel": {n: p.ds_numel for n, p in params.items()}, "shape": {n: tuple(p.ds_shape) for n, p in
                                                                           params.items()},
            "status_after_step": {p.ds_status for p in params.values()},
+           # dschat's perf.py / SuperOffload's parameter count: p.ds_numel if hasattr(p, "ds_tensor") else p.numel()
+           "count": sum(p.ds_numel if hasattr(p, "ds_tensor") else p.numel() for p in params.values()),
+           "held": sum(p.ds_tensor.numel() for p in params.values()),
            "to_fetch": len(_z3_params_to_fetch(params.values(), ZeroParamStatus)) == len(params)}
     with deepspeed.zero.GatheredParameters(list(params.values())):
         out["status_gathered"] = {p.ds_status for p in params.values()}
@@ -328,8 +331,12 @@ def test_deepspeed_chat_zero3_helpers_see_ds_markers_and_gather():
     placeholders it silently saved before the markers existed, and the EMA update (`moving_average`) takes effect
     with `modifier_rank=0` and is discarded without it, as in DeepSpeed (dschat passes none: its ZeRO-3 EMA
     stays at its initial weights there too)."""
-    r = run_distributed(dschat_runs, WORLD, timeout=300)[0]
+    ranks = run_distributed(dschat_runs, WORLD, timeout=300)
+    r = ranks[0]
     full = dict(make_model().named_parameters())
+    total = sum(p.numel() for p in full.values())
+    assert all(x["count"] == total for x in ranks)  # the full count, not the 0-element placeholders'
+    assert sum(x["held"] for x in ranks) == total and 0 < r["held"] < total  # ds_tensor: each rank's part
     assert r["marked"] and r["ids_unique"] and r["to_fetch"]
     assert r["numel"] == {n: p.numel() for n, p in full.items()}
     assert r["shape"] == {n: tuple(p.shape) for n, p in full.items()}

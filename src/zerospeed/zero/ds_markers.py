@@ -1,5 +1,6 @@
 """DeepSpeed's ZeRO-3 markers on a parameter, for user scripts that test them (`ds_id`, `ds_status`, `ds_numel`,
-`ds_shape`; DeepSpeed-Chat's `_z3_params_to_fetch`, HF helpers counting `ds_numel`).
+`ds_shape`, `ds_tensor`; DeepSpeed-Chat's `_z3_params_to_fetch`, parameter counts `p.ds_numel if hasattr(p,
+"ds_tensor") else p.numel()`).
 
 The state itself stays beside the parameter (`stage3_params.ShardedParam`, `stage3_init_shards.InitShard`);
 these attributes mirror it: `ds_status` is `ZeroParamStatus.NOT_AVAILABLE` while only a shard exists,
@@ -25,11 +26,14 @@ class ZeroParamStatus(enum.Enum):
 _IDS = itertools.count()
 
 
-def mark(param: torch.Tensor, shape: torch.Size, status: ZeroParamStatus) -> None:
+def mark(param: torch.Tensor, shape: torch.Size, status: ZeroParamStatus, partition: torch.Tensor | None = None) -> None:
     """Give `param` DeepSpeed's markers: a process-unique `ds_id` (kept if it has one), its full `ds_shape` and
-    `ds_numel` (elements), and `ds_status`."""
+    `ds_numel` (elements), `ds_status`, and - if given - `ds_tensor`, this rank's part of it (1-D; 0 elements
+    where this rank holds none of it or the part is on NVMe)."""
     if not hasattr(param, "ds_id"):
         param.ds_id = next(_IDS)
     param.ds_shape = torch.Size(shape)
     param.ds_numel = param.ds_shape.numel()
     param.ds_status = status
+    if partition is not None:
+        param.ds_tensor = partition

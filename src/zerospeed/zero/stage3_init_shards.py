@@ -184,6 +184,11 @@ def _full(st: InitShard) -> torch.Tensor:
     return out[:st.numel].view(st.shape)
 
 
+def _partition(st: InitShard) -> torch.Tensor:
+    """This rank's slice for DeepSpeed's `ds_tensor` marker (0 elements while it is on NVMe)."""
+    return st.local if st.local is not None else torch.empty(0, dtype=st.dtype, device=st.device)
+
+
 def _empty_like_param(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
@@ -208,7 +213,7 @@ def settle(keep_owners: tuple = ()) -> None:
             _store(st, _cut(value, st.group, 0))
             st.to(ShardState.SHARDED)
             param.data = _empty_like_param(value)
-            mark(param, st.shape, ZeroParamStatus.NOT_AVAILABLE)
+            mark(param, st.shape, ZeroParamStatus.NOT_AVAILABLE, _partition(st))
             del _TOUCHED[key]
 
 
@@ -292,4 +297,4 @@ def release(params: list[nn.Parameter], modifier_rank: int | None) -> None:
                 _store(st, _cut(value, st.group, modifier_rank))
             st.to(ShardState.SHARDED)
             p.data = _empty_like_param(p.data)
-            mark(p, st.shape, ZeroParamStatus.NOT_AVAILABLE)
+            mark(p, st.shape, ZeroParamStatus.NOT_AVAILABLE, _partition(st))

@@ -198,8 +198,6 @@ class ShardedUnit:
         full_value = full_value or (lambda p: p.data)
         self.params = [ShardedParam(p, fqn, aliases, self, i, shape_of(p))
                        for i, (p, fqn, aliases) in enumerate(params)]
-        for sp in self.params:
-            mark(sp.param, sp.shape, ZeroParamStatus.AVAILABLE)
         self.layout: FlatPartition = plan_one_chunk([sp.numel for sp in self.params], world)
         ref = params[0][0] if params else torch.empty(0)
         if any(p.dtype != ref.dtype or p.device != ref.device for p, _, _ in params):
@@ -237,6 +235,9 @@ class ShardedUnit:
         self.lp_grad: torch.Tensor | None = None  # a reduced bf16/fp16 gradient not yet in shard.grad
         self._lp_grad_post = 1.0
         self.status = ParamStatus.GATHERED
+        for sp in self.params:
+            mark(sp.param, sp.shape, ZeroParamStatus.AVAILABLE)
+        self._mark_partitions()
         self.pins = 0
         self.handle: CommHandle | None = None
         self.release()
@@ -302,6 +303,16 @@ class ShardedUnit:
         """Point the master `shard` (same Parameter object: the optimizer's key) and `lp_shard` at `values`."""
         self.shard.data = values
         self.lp_shard = self.shard.detach()
+        self._mark_partitions()
+
+    def _mark_partitions(self) -> None:
+        """Each parameter's `ds_tensor` (DeepSpeed's marker): its part of `lp_shard`, a 1-D view (maybe empty)."""
+        start = self.layout.rank_range(self.rank)[0]
+        held = self.lp_shard.numel()
+        for sp in self.params:
+            lo, hi = self.layout.param_shard_range(sp.index, self.rank)
+            base = min(sp.offset + lo - start, held) if hi > lo else 0
+            sp.param.ds_tensor = self.lp_shard[base:base + hi - lo] if hi > lo and held else self.lp_shard[:0]
 
     # -- gradients ----------------------------------------------------------------------------
     def take_grads(self, dst: torch.Tensor) -> None:
