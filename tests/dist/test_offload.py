@@ -55,6 +55,9 @@ CASES = [
     ("s3-super-bf16-gas2", 3, "bf16-gas2-noclip", SUPER, {"device": "nvme", "max_in_cpu": 0},
      {"sub_group_size": 9_000}),
     ("s3-super-clipped", 3, "fp32", SUPER, None, {"sub_group_size": 9_000}),
+    # DeepSpeed's SuperOffload examples' config (device cpu): accepted, the step at engine.step() (a warning)
+    # (with its "ratio": 0.9 - partial offload - which, without an accelerator, places everything on the host too)
+    ("s3-super-cpu", 3, "fp32-noclip", {"device": "cpu", "super_offload": True, "ratio": 0.9}, None, {}),
 ]
 REFS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16"), (3, "fp32-gas2"), (3, "bf16-gas2"),
         (3, "fp16"), (3, "fp32-noclip"), (3, "bf16-gas2-noclip")]

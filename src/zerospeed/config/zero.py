@@ -280,12 +280,12 @@ class ZeroConfig(ConfigModel):
             if getattr(self, key) != default:
                 issues.append(((key,), unsupported_message(key, default)))
         opt, par = self.offload_optimizer, self.offload_param
-        if opt is not None and opt.super_offload and (self.stage != 3 or opt.device != "nvme"):
+        if opt is not None and opt.super_offload and (self.stage != 3 or opt.device not in ("cpu", "nvme")):
             issues.append((("offload_optimizer", "super_offload"),
                            f"super_offload (each optimizer sub-group stepped during the backward, as its gradient "
-                           f"is reduced) is supported with stage 3 and offload_optimizer.device \"nvme\", not stage "
-                           f"{self.stage} with device {opt.device!r}; remove super_offload or offload the optimizer "
-                           "to NVMe (DeepSpeed's own super_offload needs CUDA)"))
+                           f"is reduced) is supported with stage 3 and offload_optimizer.device \"cpu\" or \"nvme\", "
+                           f"not stage {self.stage} with device {opt.device!r}; remove super_offload or offload the "
+                           "optimizer at stage 3 (DeepSpeed's own super_offload needs CUDA)"))
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             issues.append((("offload_optimizer", "ratio"),
                            f"partial offload (ratio={opt.ratio}) is only supported with stage 3, "

@@ -168,7 +168,8 @@ def _check_supported(cfg: ZeroSpeedConfig) -> None:
     check_optimizer_for_stage(cfg.optimizer, stage)
     zero = cfg.zero_optimization
     opt = zero.offload_optimizer
-    if opt is not None and opt.enabled and opt.ratio < 1.0:
+    # ratio < 1 keeps that share of the optimizer on the accelerator; without one it is on the host either way
+    if opt is not None and opt.enabled and opt.ratio < 1.0 and torch.accelerator.is_available():
         raise NotImplementedError(f"zero_optimization.offload_optimizer.ratio={opt.ratio}: partial optimizer offload is "
                                   "not implemented in zerospeed; remove the key (ratio 1.0 offloads everything)")
     if cfg.aio.use_gds:
@@ -488,9 +489,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 
 
 def _warn_super_offload(cfg, engine) -> None:
-    """super_offload steps in the backward only when the step needs no global quantity: say why it cannot."""
+    """super_offload steps in the backward only with the optimizer on NVMe and when the step needs no global
+    quantity: say why it cannot."""
     opt = cfg.zero_optimization.offload_optimizer
-    if opt is None or not opt.super_offload or engine._step_needs_no_global():
+    if opt is None or not opt.super_offload:
+        return
+    if opt.device == "cpu":  # DeepSpeed's SuperOffload examples' config (GH200: the step on the Grace CPU)
+        log.warning("offload_optimizer.super_offload with device \"cpu\": the optimizer step runs on the host at "
+                    "engine.step(), after the backward - zerospeed overlaps the step with the backward for the NVMe "
+                    "tier only (offload_optimizer.device \"nvme\"); the numbers are the same either way")
+        return
+    if engine._step_needs_no_global():
         return
     why = [w for w, on in (("gradient_clipping > 0", bool(cfg.gradient_clipping)), ("fp16", cfg.fp16.enabled),
                            ("bf16.check_grad_overflow", cfg.bf16.enabled and cfg.bf16.check_grad_overflow)) if on]
