@@ -76,13 +76,15 @@ __all__ = [
 
 
 def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = None,
-                model: Any = None) -> ZeroSpeedConfig:
+                model: Any = None, dp_from_mpu: bool = False) -> ZeroSpeedConfig:
     """Read, validate and resolve a ds_config.
 
     source: a dict, a path (str or os.PathLike) to a JSON file, a JSON string, or a
         urlsafe-base64 JSON string.
     dp_world_size: number of data-parallel ranks, used to complete the batch triple
-        (``train_batch_size = micro x grad_accum x dp_world_size``).
+        (``train_batch_size = micro x grad_accum x dp_world_size``); without `dp_from_mpu` and with
+        ``tensor_parallel.autotp_size`` > 1 it is the world, divided by autotp_size here.
+    dp_from_mpu: dp_world_size is an mpu's data-parallel size (its tensor-parallel ranks already left out).
     client_optimizer: the user's optimizer (or anything with ``param_groups`` / ``defaults``);
         ``"auto"`` values of ``optimizer.params`` (lr, betas, eps, weight_decay) are copied from it.
     model: the model (an ``nn.Module``; only read, never moved or called), or a ``ModelHints``.
@@ -101,7 +103,7 @@ def load_config(source: Any, *, dp_world_size: int = 1, client_optimizer: Any = 
     raw = parse_source(source)
     deferred: list = []
     context = {"dp_world_size": dp_world_size, "client_optimizer": client_optimizer, "deferred_issues": deferred,
-               "model_hints": model_hints(model)}
+               "model_hints": model_hints(model), "dp_from_mpu": dp_from_mpu}
     try:
         config = ZeroSpeedConfig.model_validate(raw, context=context)
         issues = []

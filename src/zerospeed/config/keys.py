@@ -65,7 +65,6 @@ UNSUPPORTED_TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "timers": {"throughput": {"enabled": True, "synchronized": True}},
     "comet": _ENABLED_OFF,
     "sequence_parallel_size": 1,
-    "data_parallel_size": None,
     "seq_parallel_communication_data_type": "fp32",
     "use_data_before_expert_parallelism": False,
     "disable_allgather": False,

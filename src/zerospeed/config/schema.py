@@ -99,6 +99,9 @@ class ZeroSpeedConfig(ConfigModel):
     seed: Optional[int] = None
     """zerospeed extension (not a DeepSpeed key): if set, ``initialize`` seeds torch with it and
     the engine-built dataloader shuffles with it. None = leave the RNGs alone."""
+    data_parallel_size: Optional[int] = Field(None, ge=1)
+    """The data-parallel ranks (world / (tensor x pipeline parallel)); checked against the launch. DeepSpeed reads
+    it only together with sequence_parallel_size (which zerospeed supports at 1 only)."""
     retain_freed_host_memory: Union[Literal["auto"], bool] = "auto"
     """zerospeed extension: set glibc malloc's mmap and trim thresholds (32 MiB, 1 GiB) at ``initialize`` so
     memory a step frees is reused by the next instead of returned to the kernel and faulted in again
@@ -168,13 +171,19 @@ class ZeroSpeedConfig(ConfigModel):
         raw = [None if is_auto(data.get(k)) else data.get(k) for k in (TB, MB, GA)]
         tp_block = data.get("tensor_parallel")
         tp = tp_block.get("autotp_size", 0) if isinstance(tp_block, dict) else 0
-        if isinstance(tp, int) and tp > 1:  # the batch triple counts the data-parallel ranks: world / tp
+        # the batch triple counts the data-parallel ranks: world / tp (with an mpu, dp is its data-parallel size)
+        if isinstance(tp, int) and tp > 1 and not context.get("dp_from_mpu"):
             if dp % tp:
                 issues.append(((("tensor_parallel", "autotp_size")), f"autotp_size={tp} does not divide the world "
                                f"size {dp}; launch a multiple of {tp} ranks or choose a size that divides {dp}"))
             else:
                 issues.extend(((), p) for p in tp_batch_problems(tuple(raw), dp, tp))
                 dp //= tp
+        given_dp = data.get("data_parallel_size")
+        if isinstance(given_dp, int) and not isinstance(given_dp, bool) and given_dp != dp and given_dp >= 1:
+            issues.append(((("data_parallel_size",)), f"data_parallel_size={given_dp} but this launch has {dp} "
+                           "data-parallel ranks (world / (tensor x pipeline parallel)); set it to "
+                           f"{dp} or remove it (it is only checked)"))
         try:
             batch = resolve_batch(*raw, dp)
         except ConfigError as exc:

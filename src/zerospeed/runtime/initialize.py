@@ -357,7 +357,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if tp_mesh is not None:
         source, mpu = merge_tp_model_init(source, model, tp_mesh, mpu), None
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    cfg = load_config(source, dp_world_size=_dp_world_size(mpu, model), client_optimizer=client_opt, model=model)
+    cfg = load_config(source, dp_world_size=_dp_world_size(mpu, model), client_optimizer=client_opt, model=model,
+                      dp_from_mpu=mpu is not None and not _is_pipeline(model))
     _check_supported(cfg)
     pipeline = _is_pipeline(model)
     if pipeline:

@@ -12,14 +12,19 @@ __all__ = ["plan_tensor_parallel", "shard_model", "remap_parameters"]
 
 
 def plan_tensor_parallel(cfg, model: nn.Module, mpu):
-    """The TPPlan when `tensor_parallel.autotp_size` > 1, else None. Pure: raises ConfigError (an mpu given as
-    well; no plan for the model; heads or widths tp does not divide) before any process group exists."""
+    """The TPPlan when `tensor_parallel.autotp_size` > 1, else None. Raises ConfigError (an mpu whose
+    model-parallel size is not autotp_size; no plan for the model; heads or widths tp does not divide) before any
+    process group exists (with an mpu: before any is made; only its groups' sizes are read)."""
     tp = cfg.tensor_parallel.size
     if tp == 1:
         return None
-    if mpu is not None:
-        raise ConfigError("tensor_parallel.autotp_size and initialize(mpu=...) both define the model-parallel "
-                          "groups; use one (AutoTP builds its own mesh)")
+    if mpu is not None:  # DeepSpeed's AutoTP example: AutoTP shards over the mpu's model-parallel group
+        from ..parallel.mesh import ParallelMesh
+
+        given = ParallelMesh.from_mpu(mpu).size("tensor")
+        if given != tp:
+            raise ConfigError(f"tensor_parallel.autotp_size={tp} but the mpu's model-parallel group has {given} "
+                              "ranks; make them agree (AutoTP shards over the mpu's model-parallel group)")
     if any(True for _ in tensor_parallel_layers(model)):
         raise ConfigError("the model already has tensor-parallel layers, but not from zerospeed.tp_model_init (whose "
                           "mesh initialize would reuse): remove tensor_parallel.autotp_size from the config and pass "
