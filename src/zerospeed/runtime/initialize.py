@@ -23,7 +23,6 @@ from ..config import ConfigError, ZeroSpeedConfig, load_config
 from ..config.optimizer import check_optimizer_for_stage
 from ..optim import build_optimizer, build_scheduler
 from ..parallel import ParallelMesh
-from ..pipe.schedule import build_schedule
 from ..precision import MixedPrecisionPolicy, build_loss_scaler
 from ..tensor_parallel import tensor_parallel_layers
 from ..zero.factory import build_strategy
@@ -33,6 +32,7 @@ from .engine import ZeroSpeedEngine
 from .host_malloc import retain_freed_host_memory, retain_wanted
 from .checkpoint_pipe import PipeTranslation
 from .pipe_engine import PipelineEngine
+from .pipe_setup import check_pipeline, is_pipeline, pipeline_schedule, split_backward
 from .pipe_ties import TiedWeights
 from .telemetry import Telemetry
 from .tp_init import merge_tp_model_init, sharded_mesh
@@ -66,7 +66,7 @@ def _config_source(args, config, config_params):
 def _dp_world_size(mpu, model=None) -> int:
     """The data-parallel world size the batch triple counts: the mpu's data-parallel size, the world over a
     PipelineModule's stages, else the world."""
-    if _is_pipeline(model):
+    if is_pipeline(model):
         world = dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
         return max(1, world // model.num_stages)
     if mpu is not None:
@@ -258,52 +258,6 @@ def _model_parallel_grads(model: nn.Module, mesh, pipeline: bool = False, ties=N
                               replicated=frozenset(id(p) for p in model.parameters() if id(p) not in sharded))
 
 
-def _is_pipeline(model) -> bool:
-    from ..pipe import PipelineModule
-
-    return isinstance(model, PipelineModule)
-
-
-def _split_backward(cfg: ZeroSpeedConfig, model) -> bool:
-    """`pipeline.split_backward` resolved: "auto" splits where it measured faster on this CPU - gradients kept
-    in `.grad` in the parameters' dtype across micro-batches (no fp16/bf16, ZeRO 0 or 1), so a linear layer's
-    weight gradient accumulates there in one GEMM - and no activation checkpointing (see the config key)."""
-    split = cfg.pipeline.split_backward
-    if split != "auto":
-        return split
-    return cfg.precision == "fp32" and cfg.zero_optimization.stage <= 1 and not model.activation_checkpoint_interval
-
-
-def _pipeline_schedule(cfg: ZeroSpeedConfig, model) -> str:
-    """The config's pipeline.schedule; unset: "dualpipev" for a DualPipeVModule (DeepSpeed runs it with its
-    DualPipeVEngine), else "1f1b"."""
-    from ..pipe import DualPipeVModule
-
-    if "schedule" not in cfg.pipeline.model_fields_set and isinstance(model, DualPipeVModule):
-        return "dualpipev"
-    return cfg.pipeline.schedule
-
-
-def _check_pipeline(cfg: ZeroSpeedConfig, model, mpu) -> None:
-    """What this version of the pipeline engine runs; NotImplementedError naming anything else."""
-    stage = cfg.zero_optimization.stage
-    if stage >= 3:
-        raise NotImplementedError(f"zero_optimization.stage={stage} with a PipelineModule is not supported: every "
-                                  "micro-batch would gather each stage's parameters again; use stage 0, 1 or 2")
-    if mpu is not None or cfg.tensor_parallel.size > 1:
-        raise NotImplementedError("a PipelineModule with initialize(mpu=...) or tensor_parallel.autotp_size is not "
-                                  "supported yet: the pipeline builds its own (pipe, data) mesh")
-    try:
-        build_schedule(_pipeline_schedule(cfg, model), model.num_stages, cfg.gradient_accumulation_steps,
-                       chunks=model.chunks, layout=model.chunk_layout)
-    except ValueError as e:
-        raise ConfigError(f"pipeline.schedule: {e}") from None
-    stages = cfg.pipeline.stages
-    if stages != "auto" and stages != model.num_stages:
-        raise ConfigError(f"pipeline.stages={stages} but the PipelineModule has num_stages={model.num_stages}; "
-                          "set pipeline.stages to \"auto\" (the module decides, as in DeepSpeed) or make them agree")
-
-
 def _build_telemetry(cfg: ZeroSpeedConfig, model: nn.Module, device: torch.device) -> Telemetry:
     """Monitors (rank 0 writes), the flops profiler and wall-clock timers, from their config blocks."""
     from ..checkpointing import configure as configure_checkpointing
@@ -358,11 +312,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         source, mpu = merge_tp_model_init(source, model, tp_mesh, mpu), None
     client_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     cfg = load_config(source, dp_world_size=_dp_world_size(mpu, model), client_optimizer=client_opt, model=model,
-                      dp_from_mpu=mpu is not None and not _is_pipeline(model))
+                      dp_from_mpu=mpu is not None and not is_pipeline(model))
     _check_supported(cfg)
-    pipeline = _is_pipeline(model)
+    pipeline = is_pipeline(model)
     if pipeline:
-        _check_pipeline(cfg, model, mpu)
+        check_pipeline(cfg, model, mpu)
     elif cfg.pipeline.schedule != "1f1b" or cfg.pipeline.stages not in ("auto", 1):
         raise ConfigError(f"the pipeline block sets schedule={cfg.pipeline.schedule!r}, stages="
                           f"{cfg.pipeline.stages!r}, but the model is a {type(model).__name__}, not a "
@@ -463,8 +417,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         auto_cast=cfg.fp16.enabled and cfg.fp16.auto_cast, mesh=mesh)
     _warn_super_offload(cfg, engine)
     if pipeline:
-        engine._init_pipeline(mesh.group("pipe"), _pipeline_schedule(cfg, model), ties,
-                              split_backward=_split_backward(cfg, model))
+        engine._init_pipeline(mesh.group("pipe"), pipeline_schedule(cfg, model), ties,
+                              split_backward=split_backward(cfg, model))
         if loader is not None:
             engine.set_dataloader(loader)
         engine.checkpoint_translation = engine.pipe_translation = PipeTranslation(model, ties)  # one for all stages
