@@ -237,6 +237,7 @@ class ShardedUnit:
         self.status = ParamStatus.GATHERED
         for sp in self.params:
             mark(sp.param, sp.shape, ZeroParamStatus.AVAILABLE)
+        self._part_lengths: list[int] | None = None  # each parameter's elements in this rank's shard
         self._mark_partitions()
         self.pins = 0
         self.handle: CommHandle | None = None
@@ -306,13 +307,17 @@ class ShardedUnit:
         self._mark_partitions()
 
     def _mark_partitions(self) -> None:
-        """Each parameter's `ds_tensor` (DeepSpeed's marker): its part of `lp_shard`, a 1-D view (maybe empty)."""
-        start = self.layout.rank_range(self.rank)[0]
-        held = self.lp_shard.numel()
-        for sp in self.params:
-            lo, hi = self.layout.param_shard_range(sp.index, self.rank)
-            base = min(sp.offset + lo - start, held) if hi > lo else 0
-            sp.param.ds_tensor = self.lp_shard[base:base + hi - lo] if hi > lo and held else self.lp_shard[:0]
+        """Each parameter's `ds_tensor` (DeepSpeed's marker): its part of `lp_shard`, a 1-D view (maybe empty).
+        The parts tile the front of this rank's shard in parameter order (`plan_one_chunk` lays the parameters
+        out back to back), so one `split` cuts them: ~10 us for a 12-parameter unit, at each rebinding."""
+        if self._part_lengths is None:
+            self._part_lengths = [max(hi - lo, 0) for lo, hi in
+                                  (self.layout.param_shard_range(sp.index, self.rank) for sp in self.params)]
+        held = sum(self._part_lengths)
+        parts = self.lp_shard[:held].split(self._part_lengths) if self.lp_shard.numel() >= held else \
+            [self.lp_shard[:0]] * len(self.params)  # the shard is on NVMe: nothing resident
+        for sp, part in zip(self.params, parts):
+            sp.param.ds_tensor = part
 
     # -- gradients ----------------------------------------------------------------------------
     def take_grads(self, dst: torch.Tensor) -> None:
