@@ -34,8 +34,9 @@ def summary_run(rank, world):
     with contextlib.redirect_stdout(out):
         result = zerospeed.comm.log_summary(show_straggler=True, return_dict=True)
     stats = {op: (s.calls, s.bytes) for op, s in engine.comms_logger.stats.items()}
+    totals = engine.comms_logger.summary()  # the logger's own per-op totals table
     zerospeed.comm.reset_log()
-    return {"printed": out.getvalue(), "result": result, "stats": stats,
+    return {"printed": out.getvalue(), "result": result, "stats": stats, "totals": totals,
             "after_reset": zerospeed.comm.log_summary(return_dict=True)["summary"]}
 
 
@@ -59,6 +60,7 @@ def test_log_summary_tabulates_the_engines_collectives():
                 summary["all_reduce"][size]["total_latency_ms"], rel=1e-9)
         assert "send" not in stragglers
         assert r["after_reset"] == {}
+        assert r["totals"].startswith("op") and "\nall_reduce" in r["totals"]
     printed = ranks[0]["printed"]
     assert printed.startswith("Comm. Op") and "busbw_avg (Gbps)" in printed and "\nall_reduce\n" in printed
     assert "Breakdown with straggler effect" in printed

@@ -64,11 +64,6 @@ class CommsLogger:
         self.stats.clear()
         self.calls.clear()
 
-
-def live_loggers() -> list[CommsLogger]:
-    """The loggers alive in this process (one per engine built with `comms_logger.enabled`)."""
-    return list(_LIVE)
-
     def summary(self) -> str:
         """A table: op, calls, MB, ms, MB/s."""
         rows = [f"{'op':<16}{'calls':>8}{'MB':>12}{'ms':>12}{'MB/s':>10}"]
@@ -77,3 +72,8 @@ def live_loggers() -> list[CommsLogger]:
             rows.append(f"{name:<16}{s.calls:>8}{mb:>12.2f}{s.seconds * 1e3:>12.1f}"
                         f"{(mb / s.seconds if s.seconds else 0.0):>10.1f}")
         return "\n".join(rows)
+
+
+def live_loggers() -> list[CommsLogger]:
+    """The loggers alive in this process (one per engine built with `comms_logger.enabled`)."""
+    return list(_LIVE)
