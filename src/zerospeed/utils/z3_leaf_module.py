@@ -26,6 +26,13 @@ def set_z3_leaf_module(model: nn.Module, flag: bool) -> None:
     model._z3_leaf = flag
 
 
+def class_names(module: nn.Module) -> tuple[str, str]:
+    """(class name, fully qualified class name) of `module`: the two spellings a leaf-module class is named by
+    (here and in `zero_optimization.leaf_module.classes`)."""
+    cls = type(module)
+    return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _set_by_class(model: nn.Module, leaf_module_classes, flag: bool, raise_if_not_found: bool) -> list[nn.Module]:
     classes = list(leaf_module_classes)
     bad = [c for c in classes if not isinstance(c, (type, str))]
@@ -33,9 +40,7 @@ def _set_by_class(model: nn.Module, leaf_module_classes, flag: bool, raise_if_no
         raise TypeError(f"leaf_module_classes must be classes or class names (str), got {bad!r}")
     found = []
     for m in model.modules():
-        cls = type(m)
-        qualified = f"{cls.__module__}.{cls.__qualname__}"
-        if any(isinstance(m, c) if isinstance(c, type) else c in (cls.__name__, qualified) for c in classes):
+        if any(isinstance(m, c) if isinstance(c, type) else c in class_names(m) for c in classes):
             m._z3_leaf = flag
             found.append(m)
     if not found and raise_if_not_found:

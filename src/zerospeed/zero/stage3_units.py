@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..utils.z3_leaf_module import class_names, z3_leaf_module
 from .tiling import TiledLinear
 
 ROOT = ""  # the root unit's name
@@ -54,9 +55,8 @@ class UnitPlan:
 
 
 def _matches_leaf(name: str, module: nn.Module, classes, names, suffixes) -> bool:
-    cls = type(module)
-    return (getattr(module, "_z3_leaf", False) or name in names or any(name.endswith(s) for s in suffixes if s)
-            or cls.__name__ in classes or f"{cls.__module__}.{cls.__qualname__}" in classes)
+    return (z3_leaf_module(module) or name in names or any(name.endswith(s) for s in suffixes if s)
+            or any(c in classes for c in class_names(module)))
 
 
 def find_unit_modules(model: nn.Module, *, leaf_classes=(), leaf_names=(), leaf_name_suffixes=()) -> list[str]:
