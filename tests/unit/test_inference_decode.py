@@ -214,3 +214,32 @@ def test_the_decode_step_attends_the_filled_part_of_the_cache_with_one_graph():
                             do_sample=False)
     assert fast == 1 and torch.equal(got, want), (got, want)
     assert sorted(set(lengths)) == [32, 49] and counters["stats"]["unique_graphs"] == 1, (lengths, counters["stats"])
+
+
+def test_a_padded_prompts_forward_attends_only_the_positions_its_mask_allows():
+    """The eager forward of a left-padded prompt over a longer static cache: the 4-D mask's columns no query may
+    attend (the cache's unwritten tail) are cut before SDPA, with exactly the uncut result; bool and float masks
+    (0 attends, the dtype's minimum does not); a mask that allows nothing keeps its length."""
+    from zerospeed.inference import prefix_attention as pa
+
+    torch.manual_seed(0)
+    batch, heads, queries, positions, dim = 2, 3, 5, 16, 8
+    allowed = torch.zeros(batch, 1, queries, positions, dtype=torch.bool)
+    for q in range(queries):
+        allowed[:, :, q, 2:6 + q] = True  # prompt positions 2..9, causal; 10..15 the unwritten tail
+    allowed[0, :, :, 2:4] = False  # row 0 left-padded further
+    floats = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert pa.attended_length(allowed) == 10 and pa.attended_length(floats) == 10
+    assert pa.attended_length(torch.zeros_like(allowed)) == positions
+    q, k, v = (torch.randn(batch, heads, n, dim) for n in (queries, positions, positions))
+    module = torch.nn.Module()
+    module.is_causal, module.training = True, False
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for mask in (allowed, floats):
+        cut = pa._attention(module, q, k, v, mask, dropout=0.0, scaling=None)[0]
+        whole = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=None)[0]
+        torch.testing.assert_close(cut, whole, rtol=1e-6, atol=1e-6)
+    # the cut is taken: keys past the attended length never reach SDPA
+    k[:, :, 10:] = float("nan")
+    assert not pa._attention(module, q, k, v, allowed, dropout=0.0, scaling=None)[0].isnan().any()
