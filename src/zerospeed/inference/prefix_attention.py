@@ -20,8 +20,6 @@ Measured (124M GPT-2, 4 left-padded prompts of 128 tokens, a 385-position cache,
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 __all__ = ["NAME", "BUCKET", "SPARE", "register", "filled_length", "mark_length_dynamic", "attended_length"]
@@ -31,23 +29,13 @@ BUCKET = 32  # positions: the mask's length is a multiple of this (or the cache'
 SPARE = 1  # positions kernel injection adds to each static cache, so that the cut never takes the whole cache
 
 
-_last_cut: tuple = (lambda: None, 0)  # (weak reference to a mask, its attended length): a forward's layers share
-# one mask; a weak reference, so a long prompt's mask is not kept alive after its forward
-
-
 def attended_length(mask: torch.Tensor) -> int:
     """1 + the last position (mask's last dimension) any query may attend in a 4-D mask [batch, 1, queries,
     positions] (bool: True attends; float: 0 attends, the dtype's minimum or -inf does not); the mask's length
-    when none may. One host sync, remembered for the mask object last seen (every layer of a forward gets the
-    same one)."""
-    global _last_cut
-    if _last_cut[0]() is mask:
-        return _last_cut[1]
+    when none may. One host sync (~50 us for a [4, 1, 128, 385] mask on the host: ~0.1% of that prefill's layers)."""
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     cols = allowed.flatten(0, -2).any(0)
-    n = int(cols.nonzero().max()) + 1 if bool(cols.any()) else mask.shape[-1]
-    _last_cut = (weakref.ref(mask), n)
-    return n
+    return int(cols.nonzero().max()) + 1 if bool(cols.any()) else mask.shape[-1]
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
