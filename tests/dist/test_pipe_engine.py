@@ -73,9 +73,12 @@ def pipe_runs(rank, world, cases, kind="plain"):
             "gradient_clipping": clip, "zero_optimization": {"stage": stage},
             "pipeline": {"schedule": schedule, **({"split_backward": False} if fused else {})}})
         assert engine.schedule_name == schedule
-        # "split_backward": "auto" splits every backward in fp32 at ZeRO 0-1 without checkpointing
-        assert engine._split == (schedule in ("zb_h1", "zb_v", "dualpipev")
-                                 or not fused and kind != "ckpt" and stage <= 1)
+        # "split_backward": "auto" splits every backward in fp32 at ZeRO 0-1 without checkpointing; the zero-bubble
+        # schedules split their BackwardInput pairs whatever it says (their fused Backwards follow it)
+        assert engine._split_all == (not fused and kind != "ckpt" and stage <= 1)
+        # ... and without split_backward a B followed at once by its W runs fused (ZB-H1's first stage: all)
+        first_fused = schedule == "zb_h1" and engine.stage_id == 0 and not engine._split_all
+        assert bool(engine._split_keys) == (schedule in ("zb_h1", "zb_v", "dualpipev") and not first_fused)
         dp, dp_rank = engine.dp_world_size, dist.get_rank(engine.group)
         it = iter(_rank_batches(*_data(dp, kind), dp, dp_rank))
         losses, norms = [], []

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 from zerospeed.pipe.schedule import (Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
                                      RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
-                                     candidate_schedules, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v)
+                                     candidate_schedules, dualpipev, fuse_adjacent_backwards, gpipe, interleaved_1f1b,
+                                     one_f_one_b, zb_h1, zb_v)
 from zerospeed.pipe.simulate import StageTimes, best_schedule, simulate, validate
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 7, 8)]
@@ -379,6 +380,28 @@ def test_zb_v_layout_and_receive_order():
                    for acts in s.values() for a in acts)
     assert s[1].index(RecvActivation(2, 1, 0)) < s[1].index(RecvGrad(0, 2, 3)) < s[1].index(BackwardInput(0, 2))
     assert s[1].index(Forward(2, 1)) > s[1].index(BackwardInput(0, 2))
+
+
+@pytest.mark.parametrize("name,build,fused", [("zb_v", zb_v, (8, 7)), ("zb_h1", zb_h1, (8, 0)),
+                                               ("dualpipev", dualpipev, (2, 0))])
+def test_fuse_adjacent_backwards_changes_no_timing(name, build, fused):
+    """A B immediately followed by its own W (no message between) becomes one Backward: the count per rank is
+    the one the docstring states (p 2, m 8), the fused schedule is still valid, and with a Backward costing
+    B + W every rank's timeline is unchanged (only a cheaper fused backward changes it)."""
+    plan = build(2, 8)
+    out = {r: fuse_adjacent_backwards(acts) for r, acts in plan.items()}
+    assert tuple(sum(isinstance(a, Backward) for a in out[r]) - sum(isinstance(a, Backward) for a in plan[r])
+                 for r in (0, 1)) == fused
+    for r in (0, 1):
+        assert len(out[r]) == len(plan[r]) - fused[r]
+        assert not any(isinstance(a, BackwardInput) and Backward(a.microbatch, a.stage) in out[r] for a in out[r])
+    chunks = 1 if name == "zb_h1" else 2
+    validate(out, 2, 8, chunks=chunks)
+    times = StageTimes(1.0, [1.2, 0.9], [0.7, 1.1], send_latency=0.05)
+    got, want = simulate(out, times), simulate(plan, times)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert got.per_rank_busy == pytest.approx(want.per_rank_busy, rel=1e-12)
+    assert got.peak_activations_per_rank == want.peak_activations_per_rank
 
 
 def test_build_schedule_matches_the_generators_and_checks_the_module_layout():

@@ -37,7 +37,8 @@ from typing import Callable
 
 from .actions import (COMM, COMPUTE, MARKERS, Action, Backward, BackwardInput, BackwardWeight, Forward,  # noqa: F401
                       LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, Schedule,
-                      SendActivation, SendGrad, _check_sizes, message_key, stage_owners, with_communication)
+                      SendActivation, SendGrad, _check_sizes, fuse_adjacent_backwards, message_key, stage_owners,
+                      with_communication)
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:

@@ -10,14 +10,18 @@ model stage); `eval_batch` runs the forwards of the same schedule:
   last (DeepSpeed's); all micro-batches of the batch are read before any message, so a short iterator fails
   on the stages that read it instead of leaving their neighbours waiting.
 * `Forward` runs the model stage (the last also `loss_fn(output, labels)`, scaled by 1 / micro_batches and the
-  loss scale); with a split schedule it runs as segments (`PipelineModule.forward_segments`); the input of a
+  loss scale); when that micro-batch's backward there is split (a `BackwardInput`, or `"split_backward"`) it
+  runs as segments (`PipelineModule.forward_segments`), else as one piece; the input of a
   model stage whose predecessor is on the same rank is that one's output, detached (no message).
 * activations (tensors or tuples) and their gradients move with point-to-point messages over the mesh's "pipe"
   group (`pipe.p2p.ActivationLink`: sends asynchronous, shapes exchanged once); before each computation the
   receives the next one needs are posted (`pipe.p2p.ReceiveAhead`), so their transfer overlaps it.
 * `Backward` is the backward of a micro-batch, `BackwardInput` / `BackwardWeight` its two halves
   (`pipe.backward_split`); with `"split_backward"` (by default in fp32 at ZeRO 0-1 without activation
-  checkpointing) a `Backward` runs as the two halves back to back, else as autograd's fused backward.
+  checkpointing) a `Backward` runs as the two halves back to back, else as autograd's fused backward, also in
+  a schedule that splits other backwards (DualPipeV's fused ones: in bf16 B + W cost 7% more than fused);
+  without it a `BackwardInput` followed at once by its own `BackwardWeight` (nothing sent or run between:
+  `pipe.actions.fuse_adjacent_backwards`) runs as one fused `Backward` too.
 * the data-parallel reduction: stage 0/1 arm it for the trailing run of each stage's final weight-gradient
   pass (1F1B: the last micro-batch's backward), so it overlaps that backward and gradients accumulate locally
   before it; stage 2 reduce-scatters at every weight-gradient pass (DeepSpeed refuses ZeRO 2 with pipelines).
@@ -37,7 +41,7 @@ from ..pipe.backward_split import backward_fused, backward_input, backward_weigh
 from ..pipe.p2p import ActivationLink, ReceiveAhead, as_tuple
 from ..pipe.schedule import (COMPUTE, Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
                              RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
-                             build_schedule, stage_owners)
+                             build_schedule, fuse_adjacent_backwards, stage_owners)
 from .engine import ZeroSpeedEngine
 
 __all__ = ["PipelineEngine", "reduction_window"]
@@ -79,8 +83,11 @@ class PipelineEngine(ZeroSpeedEngine):
         if any(module.stage_rank(s) != r for s, r in self._rank_of.items()):
             raise RuntimeError(f"schedule {schedule!r} places model stages {self._rank_of} differently from the "
                                f"PipelineModule's layout {module.chunk_layout!r}")
-        self._actions = plan[self.stage_id]
-        self._split = split_backward or any(isinstance(a, BackwardInput) for a in self._actions)
+        # without split_backward a B followed at once by its own W runs as one fused backward (no timing changes
+        # but this rank's own: cheaper where fused costs less, bf16 here)
+        self._actions = plan[self.stage_id] if split_backward else fuse_adjacent_backwards(plan[self.stage_id])
+        self._split_all = split_backward
+        self._split_keys = {(a.microbatch, a.stage) for a in self._actions if isinstance(a, BackwardInput)}
         self._window = reduction_window(self._actions)
         self._last_model_stage = len(self._rank_of) - 1
         self._link = ActivationLink(pipe_group, self.device, self.stage_id, self.comms_logger,
@@ -192,7 +199,7 @@ class PipelineEngine(ZeroSpeedEngine):
         """Run `actions` (this rank's part of a schedule) on the micro-batches `fetched`. Returns the last model
         stage's per-micro-batch losses (detached; the outputs when not computing a loss) and the last output."""
         inputs, outputs, targets, grads, pending, labels, results = {}, {}, {}, {}, {}, {}, []
-        last, link, split, last_out = self._last_model_stage, self._link, self._split and train, None
+        last, link, last_out, segmented = self._last_model_stage, self._link, None, set()
         ahead = ReceiveAhead(actions, link, self._rank_of)
         for i, a in enumerate(actions):
             key = (getattr(a, "microbatch", None), getattr(a, "stage", None))
@@ -212,6 +219,7 @@ class PipelineEngine(ZeroSpeedEngine):
                 if key not in inputs:  # the previous model stage is on this rank: its output, detached
                     inputs[key] = detach_input(outputs.pop((a.microbatch, a.stage - 1)))
                 run = self.module
+                split = train and (self._split_all or key in self._split_keys)
                 out, segments = run.forward_segments(inputs[key], a.stage) if split else \
                     (run.forward_chunk(a.stage, inputs[key]), None)
                 target = out
@@ -226,6 +234,8 @@ class PipelineEngine(ZeroSpeedEngine):
                             segments[-1].output = target
                 if train:
                     targets[key] = segments if split else target
+                    if split:
+                        segmented.add(key)
                 else:
                     inputs.pop(key)  # no backward will need it
                 if a.stage != last:
@@ -238,13 +248,15 @@ class PipelineEngine(ZeroSpeedEngine):
             elif isinstance(a, Backward):
                 self._before_weights(i)
                 target, grad = targets.pop(key), grads.pop(key, None)
-                if split:  # both passes at once (DualPipeV's fused backwards; split_backward)
+                if key in segmented:  # split_backward: both passes back to back
+                    segmented.discard(key)
                     backward_weight(backward_input(target, grad)[0])
                 else:
                     backward_fused(target, grad)
                 self._after_weights(i)
                 self._input_grads_done(key, inputs, grads)
             elif isinstance(a, BackwardInput):
+                segmented.discard(key)
                 pending[key], _ = backward_input(targets.pop(key), grads.pop(key, None))
                 self._input_grads_done(key, inputs, grads)
             elif isinstance(a, BackwardWeight):
