@@ -36,7 +36,9 @@ torch.set_num_threads(1) per rank), per model x precision x micro-batch count m 
                            zb_v ÷ DeepSpeed DualPipeV (the closest: the same V of 2 chunks per rank)
     zerospeed 1f1b, fused  "zerospeed 1f1b" with "split_backward": false: autograd's fused backward (schedule
     backward               name "1f1b_fused"; every other zerospeed row runs each backward as its input- and
-                           weight-gradient passes in fp32, zerospeed's default since this row was added)
+                           weight-gradient passes in fp32, zerospeed's default since this row was added;
+                           in bf16 a schedule's fused backwards, and each B followed at once by its W, run
+                           as autograd's fused backward, since session 39)
     DeepSpeed 1F1B         deepspeed.pipe.PipelineModule -> PipelineEngine (TrainSchedule); seed_fn=
                            set_random_seed(int(seed)): with a "type:" partition DeepSpeed 0.19.8's stage bounds
                            are numpy integers, which random.seed refuses under seed_layers=True
@@ -99,7 +101,10 @@ the stage-time columns, with zerospeed's stage costs: approximate.
 Targets (issue 24), per model x precision x m: zerospeed 1F1B >= 1.10x DeepSpeed 1F1B samples/s; zerospeed
 DualPipeV >= 1.10x DeepSpeed DualPipeV; the best zerospeed schedule >= 1.20x the
 best DeepSpeed one and >= 1.05x the best torch one; the simulator within 10% of every zerospeed schedule's
-measured pipeline time.
+measured pipeline time. Each ratio target's "limit" column: the ratio with the zerospeed side at its schedule's
+floor (`floor_samples_per_s`: its own measured compute, the idle time only its schedule cannot avoid - 1F1B's
+ideal bubble, or for the zero-bubble schedules one chunk forward at the start - and its optimizer time), the
+other side as measured: what no schedule change at this compute per micro-batch can beat.
 
 A configuration that fails (a refusal, an exception, a timeout) is an "error: ..." row with its first error
 line and is not relaunched in later repeats; the run goes on. Without deepspeed importable its rows are
@@ -1061,9 +1066,32 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def floor_samples_per_s(r: dict) -> float | None:
+    """The samples/s row `r` would reach with no idle time its schedule can avoid, at its own measured compute:
+    the busiest rank's compute seconds per step divided by (1 - the schedule's ideal bubble) - 1F1B and GPipe
+    (p-1)/(m+p-1), interleaved 1F1B (p-1)/(2m+p-1) - or, for the zero-bubble schedules (zb_h1, zb_v,
+    dualpipev), plus one forward of the first rank's first chunk (the next rank cannot start before it), then
+    the step's time outside the pipeline (optimizer, loss reduction) added. None without the compute timings."""
+    if r.get("status") != "ok" or not r.get("compute_s") or r["label"] == "one process":
+        return None
+    p, m, busiest = len(r["compute_s"]), r["m"], max(r["compute_s"])
+    schedule = r["schedule"]
+    if schedule in ("zb_h1", "zb_v", "dualpipev"):
+        if not r.get("in_run_times"):
+            return None
+        chunks = LAYOUT.get(schedule, (1, ""))[0]
+        pipeline = busiest + r["in_run_times"][0][0] / chunks
+    else:
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        pipeline = busiest / (1 - (p - 1) / (v * m + p - 1))
+    return r["micro_batch"] * m / (r["step_s"] - r["pipeline_s"] + pipeline)
+
+
 def targets_table(rows: list[dict]) -> str:
-    """Issue 24's targets per (model, precision, m)."""
-    lines = ["| model | prec | m | target | value | met |", "|---|---|---|---|---|---|"]
+    """Issue 24's targets per (model, precision, m), each with its limit: the ratio with the zerospeed side at
+    `floor_samples_per_s` (for "best": the best such zerospeed row) and the other side as measured."""
+    lines = ["| model | prec | m | target | value | met | limit (zerospeed at its schedule's floor) |",
+             "|---|---|---|---|---|---|---|"]
     keys = list(dict.fromkeys((r["model"], r["precision"], r["m"]) for r in rows))  # in the table's order
     for key in keys:
         ok = {r["label"]: r for r in rows if (r["model"], r["precision"], r["m"]) == key and r["status"] == "ok"}
@@ -1074,34 +1102,39 @@ def targets_table(rows: list[dict]) -> str:
             cands = [(r["samples_per_s"], label) for label, r in ok.items() if r["system"] == system]
             best[system] = max(cands) if cands else (None, None)
 
-        def ratio(target: str, num, den, goal: float, where=where) -> str:
+        floors = {label: floor_samples_per_s(r) for label, r in ok.items() if r["system"] == "zerospeed"}
+        best_floor = max((f for f in floors.values() if f is not None), default=None)
+
+        def ratio(target: str, num, den, goal: float, floor=None, where=where) -> str:
             if num is None or den is None:
-                return f"| {where} | {target} | n/a | — |"
-            return f"| {where} | {target} | {num / den:.2f}x | {'yes' if num / den >= goal else 'no'} |"
+                return f"| {where} | {target} | n/a | — | — |"
+            limit = "—" if floor is None else f"{floor / den:.2f}x"
+            return f"| {where} | {target} | {num / den:.2f}x | {'yes' if num / den >= goal else 'no'} | {limit} |"
 
         lines.append(ratio("zerospeed 1F1B >= 1.10x DeepSpeed 1F1B", sps.get("zerospeed 1f1b"),
-                           sps.get("DeepSpeed 1F1B"), 1.10))
+                           sps.get("DeepSpeed 1F1B"), 1.10, floors.get("zerospeed 1f1b")))
         zbv, ds_dpv = sps.get("zerospeed zb_v"), sps.get("DeepSpeed DualPipeV")
         if sps.get("zerospeed dualpipev") is not None:
             lines.append(ratio("zerospeed DualPipeV >= 1.10x DeepSpeed DualPipeV", sps["zerospeed dualpipev"],
-                               ds_dpv, 1.10))
+                               ds_dpv, 1.10, floors.get("zerospeed dualpipev")))
         else:  # not run, failed, or a zerospeed without it: zb_v is the closest (the same V of 2 chunks)
             why = next((r["status"] for r in rows if (r["model"], r["precision"], r["m"]) == key
                         and r["label"] == "zerospeed dualpipev"), "not run")
             note = f"; zerospeed zb_v ÷ DeepSpeed DualPipeV = {zbv / ds_dpv:.2f}x" if zbv and ds_dpv else ""
-            lines.append(f"| {where} | zerospeed DualPipeV >= 1.10x DeepSpeed DualPipeV | {why}{note} | — |")
+            lines.append(f"| {where} | zerospeed DualPipeV >= 1.10x DeepSpeed DualPipeV | {why}{note} | — | — |")
         (bz, bz_label), (bd, bd_label), (bt, bt_label) = best["zerospeed"], best["deepspeed"], best["torch"]
-        lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.20x best DeepSpeed ({bd_label})", bz, bd, 1.20))
-        lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.05x best torch ({bt_label})", bz, bt, 1.05))
+        lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.20x best DeepSpeed ({bd_label})", bz, bd, 1.20,
+                           best_floor))
+        lines.append(ratio(f"best zerospeed ({bz_label}) >= 1.05x best torch ({bt_label})", bz, bt, 1.05, best_floor))
         errs = [(abs(r["sim_run_error"]), label) for label, r in ok.items()
                 if r["system"] == "zerospeed" and r.get("sim_run_error") is not None]
         target = "simulator within 10% of the measured pipeline time (every zerospeed schedule)"
         if errs:
             worst = max(errs)
             lines.append(f"| {where} | {target} | worst {100 * worst[0]:.0f}% ({worst[1]}) | "
-                         f"{'yes' if worst[0] <= 0.10 else 'no'} |")
+                         f"{'yes' if worst[0] <= 0.10 else 'no'} | — |")
         else:
-            lines.append(f"| {where} | {target} | n/a | — |")
+            lines.append(f"| {where} | {target} | n/a | — | — |")
     return "\n".join(lines)
 
 
