@@ -473,3 +473,40 @@ def test_pipe_schedule_cli_prints_every_schedule_and_the_best(capsys):
     assert f'"pipeline": {{"schedule": "{best}"}}' in out and "(best)" in rows[best]
     assert main(["pipe-schedule", "--stages", "2", "--microbatches", "4", "--forward", "1,2,3"]) == 2
     assert "--forward takes one time >= 0 or 2 comma-separated ones" in capsys.readouterr().out
+
+
+class _Link:
+    """What `ReceiveAhead` asks of an `ActivationLink`: whether an activation's shapes are known, and posting."""
+
+    def __init__(self, known_peers):
+        self.known, self.posted = set(known_peers), []
+
+    def can_post_activation(self, peer):
+        return peer in self.known
+
+    def post_activation(self, peer):
+        self.posted.append(("activation", peer))
+
+    def post_grads(self, outputs, peer):
+        self.posted.append(("grad", peer, outputs))
+
+
+def test_receive_ahead_posts_every_known_receive_past_the_next_computation():
+    """Before a computation, every later receive whose shapes are known is posted, in order, past the next
+    computations too (a message arriving before its receive is posted costs a copy on the critical path); it
+    stops at the first whose shapes are not known (a gradient whose forward has not run) and resumes later."""
+    from zerospeed.pipe.p2p import ReceiveAhead
+
+    rank_of = {0: 0, 1: 1, 2: 1, 3: 0}
+    actions = [Forward(0, 1), Forward(0, 2), SendActivation(0, 2, 3), Forward(1, 1),  # 0-3
+               RecvActivation(2, 1, 0), RecvGrad(0, 2, 3), Backward(0, 2), RecvGrad(1, 2, 3)]  # 4-7
+    link = _Link(known_peers={0})
+    ahead = ReceiveAhead(actions, link, rank_of)
+    outputs = {(0, 2): "out0"}
+    ahead.before(0, outputs)  # past Forward(0, 2) and Forward(1, 1): both receives whose shapes are known
+    assert link.posted == [("activation", 0), ("grad", 0, "out0")]
+    ahead.before(1, outputs)  # RecvGrad(1, 2): micro-batch 1's stage-2 forward has not run: nothing more
+    assert len(link.posted) == 2
+    outputs[(1, 2)] = "out1"
+    ahead.before(6, outputs)
+    assert link.posted[2:] == [("grad", 0, "out1")]
