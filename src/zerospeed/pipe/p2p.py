@@ -21,7 +21,7 @@ from collections import deque
 
 from ..comm.logger import CommsLogger
 from ..comm.ops import CommHandle, recv, start_recv, start_send
-from .schedule import RecvActivation, RecvGrad
+from .schedule import COMPUTE, RecvActivation, RecvGrad
 
 __all__ = ["Activation", "ActivationLink", "ReceiveAhead", "as_tuple", "from_tuple", "floating"]
 
@@ -179,16 +179,11 @@ def _describe(meta: tuple) -> str:
 
 class ReceiveAhead:
     """Posts a schedule's receives ahead of the action that takes them, so a message can arrive while this rank
-    computes. Before each computation, `before(i, outputs)` posts, in the schedule's order, every receive after
-    it whose shapes are known, stopping at the first whose shapes are not known yet (the first activation of a
-    link, whose header comes first; a gradient whose forward has not run; any activation under dynamic_shape).
-    In order, because point-to-point messages between two ranks match in posting order.
-
-    As early as that, not only the receives before the next computation: a message that arrives before its
-    receive is posted is copied in the call that posts it (gloo), on this rank's critical path - measured on
-    the GPT DualPipeV pipeline (bf16, 2 ranks), posting a receive the peer had already sent took 3-5 ms, 34 ms
-    per step on the rank holding the middle stages. `rank_of` maps model stages to pipe ranks, as the
-    executor's."""
+    computes. Before each computation, `before(i, outputs)` posts, in the schedule's order, the receives
+    between it and the next computation, stopping at the first whose shapes are not known yet (the first
+    activation of a link, whose header comes first; a gradient whose forward has not run; any activation
+    under dynamic_shape). In order, because point-to-point messages between two ranks match in posting order.
+    `rank_of` maps model stages to pipe ranks, as the executor's."""
 
     def __init__(self, actions: list, link: ActivationLink, rank_of: dict[int, int]):
         self.actions, self.link, self.rank_of = actions, link, rank_of
@@ -196,7 +191,7 @@ class ReceiveAhead:
 
     def before(self, index: int, outputs: dict) -> None:
         k = max(self.next, index + 1)
-        while k < len(self.actions):
+        while k < len(self.actions) and not isinstance(self.actions[k], COMPUTE):
             a = self.actions[k]
             if isinstance(a, RecvActivation):
                 if not self.link.can_post_activation(self.rank_of[a.peer]):

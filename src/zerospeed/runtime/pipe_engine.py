@@ -14,9 +14,8 @@ model stage); `eval_batch` runs the forwards of the same schedule:
   runs as segments (`PipelineModule.forward_segments`), else as one piece; the input of a
   model stage whose predecessor is on the same rank is that one's output, detached (no message).
 * activations (tensors or tuples) and their gradients move with point-to-point messages over the mesh's "pipe"
-  group (`pipe.p2p.ActivationLink`: sends asynchronous, shapes exchanged once); before each computation every
-  later receive whose shapes are known is posted (`pipe.p2p.ReceiveAhead`), so a message lands in its buffer
-  while this rank computes instead of being copied when its receive is posted.
+  group (`pipe.p2p.ActivationLink`: sends asynchronous, shapes exchanged once); before each computation the
+  receives the next one needs are posted (`pipe.p2p.ReceiveAhead`), so their transfer overlaps it.
 * `Backward` is the backward of a micro-batch, `BackwardInput` / `BackwardWeight` its two halves
   (`pipe.backward_split`); with `"split_backward"` (by default in fp32 at ZeRO 0-1 without activation
   checkpointing) a `Backward` runs as the two halves back to back, else as autograd's fused backward, also in
