@@ -199,7 +199,7 @@ class PipelineEngine(ZeroSpeedEngine):
         """Run `actions` (this rank's part of a schedule) on the micro-batches `fetched`. Returns the last model
         stage's per-micro-batch losses (detached; the outputs when not computing a loss) and the last output."""
         inputs, outputs, targets, grads, pending, labels, results = {}, {}, {}, {}, {}, {}, []
-        last, link, last_out, segmented = self._last_model_stage, self._link, None, set()
+        last, link, last_out = self._last_model_stage, self._link, None
         ahead = ReceiveAhead(actions, link, self._rank_of)
         for i, a in enumerate(actions):
             key = (getattr(a, "microbatch", None), getattr(a, "stage", None))
@@ -234,8 +234,6 @@ class PipelineEngine(ZeroSpeedEngine):
                             segments[-1].output = target
                 if train:
                     targets[key] = segments if split else target
-                    if split:
-                        segmented.add(key)
                 else:
                     inputs.pop(key)  # no backward will need it
                 if a.stage != last:
@@ -248,15 +246,13 @@ class PipelineEngine(ZeroSpeedEngine):
             elif isinstance(a, Backward):
                 self._before_weights(i)
                 target, grad = targets.pop(key), grads.pop(key, None)
-                if key in segmented:  # split_backward: both passes back to back
-                    segmented.discard(key)
+                if self._split_all:  # split_backward: both passes back to back (its forward ran as segments)
                     backward_weight(backward_input(target, grad)[0])
                 else:
                     backward_fused(target, grad)
                 self._after_weights(i)
                 self._input_grads_done(key, inputs, grads)
             elif isinstance(a, BackwardInput):
-                segmented.discard(key)
                 pending[key], _ = backward_input(targets.pop(key), grads.pop(key, None))
                 self._input_grads_done(key, inputs, grads)
             elif isinstance(a, BackwardWeight):
